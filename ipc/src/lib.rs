@@ -1,0 +1,15 @@
+//! The contract between `rivulet-scheduler` and `rivulet-worker`, defined once for both.
+//!
+//! - [`messages`]: the small control messages that travel over `ipc-channel` (one `Step` command
+//!   and one `StepDone` event per iteration).
+//! - [`layout`]: the `#[repr(C)]` shared-memory step buffer that carries the bulk tensors of an
+//!   iteration (token ids, positions, slot mapping, block tables, sampled tokens, logprobs).
+//! - [`step_buffer`]: a mapped step buffer, created by the scheduler and opened by the worker.
+
+pub mod layout;
+pub mod messages;
+pub mod step_buffer;
+
+pub use layout::{StepCapacity, StepHeader, StepLayout};
+pub use messages::{Bootstrap, ModelInfo, ReadyInfo, WorkerCommand, WorkerEvent};
+pub use step_buffer::{StepBuffer, StepBufferError};

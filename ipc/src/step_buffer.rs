@@ -1,0 +1,167 @@
+//! A mapped step buffer. The scheduler creates (and owns, so its drop unlinks the segment) one
+//! per worker; the worker opens the same segment by name.
+//!
+//! Turn-taking is the synchronization: the scheduler writes inputs and then sends `Step`; the
+//! worker reads them, writes outputs and then sends `StepDone`. Neither side touches the buffer
+//! during the other's turn, so plain (non-atomic) access is sound.
+
+use shared_memory::{Shmem, ShmemConf, ShmemError};
+use thiserror::Error;
+
+use crate::layout::{ArraySpan, StepCapacity, StepHeader, StepLayout, STEP_LAYOUT_VERSION, STEP_MAGIC};
+
+#[derive(Debug, Error)]
+pub enum StepBufferError {
+    #[error("shared memory: {0}")]
+    SharedMemory(#[from] ShmemError),
+    #[error("step buffer `{os_id}` has {actual} bytes, the layout needs {needed}")]
+    TooSmall { os_id: String, actual: usize, needed: usize },
+    #[error("step buffer header is invalid (magic {magic:#x}, version {version})")]
+    BadHeader { magic: u32, version: u32 },
+    #[error("step {requested} does not match the buffer's step {in_buffer}")]
+    StepMismatch { requested: u64, in_buffer: u64 },
+    #[error("{what} = {value} exceeds the buffer's capacity {capacity}")]
+    OverCapacity { what: &'static str, value: usize, capacity: usize },
+}
+
+pub struct StepBuffer {
+    shmem: Shmem,
+    layout: StepLayout,
+}
+
+// SAFETY: `Shmem` is a mapping plus an OS handle; it is not tied to the creating thread. Access
+// to the bytes is governed by the step protocol described in the module docs.
+unsafe impl Send for StepBuffer {}
+
+impl StepBuffer {
+    /// Creates a new segment sized for `capacity` (scheduler side). The segment is unlinked when
+    /// this value is dropped.
+    pub fn create(capacity: StepCapacity) -> Result<Self, StepBufferError> {
+        let layout = StepLayout::new(capacity);
+        let shmem = ShmemConf::new().size(layout.total_bytes).create()?;
+        let mut buffer = Self { shmem, layout };
+        *buffer.header_mut() = StepHeader {
+            magic: STEP_MAGIC,
+            version: STEP_LAYOUT_VERSION,
+            ..StepHeader::default()
+        };
+        Ok(buffer)
+    }
+
+    /// Opens a segment the scheduler created (worker side).
+    pub fn open(os_id: &str, capacity: StepCapacity) -> Result<Self, StepBufferError> {
+        let layout = StepLayout::new(capacity);
+        let shmem = ShmemConf::new().os_id(os_id).open()?;
+        if shmem.len() < layout.total_bytes {
+            return Err(StepBufferError::TooSmall {
+                os_id: os_id.to_owned(),
+                actual: shmem.len(),
+                needed: layout.total_bytes,
+            });
+        }
+        let buffer = Self { shmem, layout };
+        let header = buffer.header();
+        if header.magic != STEP_MAGIC || header.version != STEP_LAYOUT_VERSION {
+            return Err(StepBufferError::BadHeader { magic: header.magic, version: header.version });
+        }
+        Ok(buffer)
+    }
+
+    pub fn os_id(&self) -> &str {
+        self.shmem.get_os_id()
+    }
+
+    pub fn layout(&self) -> &StepLayout {
+        &self.layout
+    }
+
+    pub fn capacity(&self) -> StepCapacity {
+        self.layout.capacity
+    }
+
+    /// The first byte of the mapping in this process.
+    pub fn base_ptr(&self) -> *mut u8 {
+        self.shmem.as_ptr()
+    }
+
+    /// The header, checked to describe `step` and to fit the capacity.
+    pub fn header_for_step(&self, step: u64) -> Result<StepHeader, StepBufferError> {
+        let header = *self.header();
+        if header.step != step {
+            return Err(StepBufferError::StepMismatch { requested: step, in_buffer: header.step });
+        }
+        let capacity = self.layout.capacity;
+        check_capacity("num_tokens", header.num_tokens as usize, capacity.max_tokens as usize)?;
+        check_capacity("num_seqs", header.num_seqs as usize, capacity.max_seqs as usize)?;
+        Ok(header)
+    }
+
+    pub fn header(&self) -> &StepHeader {
+        // SAFETY: the mapping is at least `total_bytes` long, page-aligned (so 8-aligned), and
+        // starts with a `StepHeader` (written by `create`).
+        unsafe { &*(self.shmem.as_ptr() as *const StepHeader) }
+    }
+
+    pub fn header_mut(&mut self) -> &mut StepHeader {
+        // SAFETY: as in `header`; `&mut self` gives exclusive access within this process.
+        unsafe { &mut *(self.shmem.as_ptr() as *mut StepHeader) }
+    }
+
+    pub fn i64_array_mut(&mut self, span: ArraySpan) -> &mut [i64] {
+        self.array_mut(span)
+    }
+
+    pub fn f32_array_mut(&mut self, span: ArraySpan) -> &mut [f32] {
+        self.array_mut(span)
+    }
+
+    pub fn i64_array(&self, span: ArraySpan) -> &[i64] {
+        self.array(span)
+    }
+
+    pub fn f32_array(&self, span: ArraySpan) -> &[f32] {
+        self.array(span)
+    }
+
+    fn array<T: Copy>(&self, span: ArraySpan) -> &[T] {
+        assert!(span.offset + span.len * std::mem::size_of::<T>() <= self.layout.total_bytes);
+        // SAFETY: the span lies inside the mapping (checked above), is 64-byte aligned, and the
+        // element types used here (i64, f32) are valid for every bit pattern.
+        unsafe { std::slice::from_raw_parts(self.shmem.as_ptr().add(span.offset) as *const T, span.len) }
+    }
+
+    fn array_mut<T: Copy>(&mut self, span: ArraySpan) -> &mut [T] {
+        assert!(span.offset + span.len * std::mem::size_of::<T>() <= self.layout.total_bytes);
+        // SAFETY: as in `array`; `&mut self` gives exclusive access within this process.
+        unsafe { std::slice::from_raw_parts_mut(self.shmem.as_ptr().add(span.offset) as *mut T, span.len) }
+    }
+}
+
+fn check_capacity(what: &'static str, value: usize, capacity: usize) -> Result<(), StepBufferError> {
+    if value > capacity {
+        return Err(StepBufferError::OverCapacity { what, value, capacity });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_mapping_sees_the_first_ones_writes() {
+        let capacity = StepCapacity { max_tokens: 8, max_seqs: 2, max_blocks_per_seq: 4, _reserved: 0 };
+        let mut owner = StepBuffer::create(capacity).expect("create");
+        let layout = *owner.layout();
+        owner.header_mut().step = 7;
+        owner.header_mut().num_tokens = 3;
+        owner.i64_array_mut(layout.input_ids)[..3].copy_from_slice(&[11, 22, 33]);
+
+        let mut peer = StepBuffer::open(owner.os_id(), capacity).expect("open");
+        assert_eq!(peer.header_for_step(7).expect("header").num_tokens, 3);
+        assert_eq!(&peer.i64_array(layout.input_ids)[..3], &[11, 22, 33]);
+        peer.i64_array_mut(layout.sampled_tokens)[0] = 99;
+        assert_eq!(owner.i64_array(layout.sampled_tokens)[0], 99);
+        assert!(matches!(peer.header_for_step(8), Err(StepBufferError::StepMismatch { .. })));
+    }
+}

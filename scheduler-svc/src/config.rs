@@ -1,0 +1,158 @@
+//! Configuration: built-in defaults ← `rivulet.toml` (or the file named by `RIVULET_CONFIG`) ←
+//! `RIVULET_*` environment variables (nested keys with `__`, e.g. `RIVULET_SERVER__LISTEN`).
+//! Invalid configuration fails at start with the key named.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("invalid configuration: {0}")]
+    Figment(#[from] Box<figment::Error>),
+    #[error("invalid configuration: `{key}` {problem}")]
+    Invalid { key: &'static str, problem: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub model: ModelConfig,
+    pub worker: WorkerConfig,
+    pub scheduler: SchedulerConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// gRPC listen address.
+    pub listen: SocketAddr,
+    /// Log lines as JSON.
+    pub json_logs: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// GGUF model file.
+    pub path: PathBuf,
+    /// Caps the model's context length (prompt + output) when set.
+    pub max_model_len: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// The `rivulet-worker` binary; by default the one next to `rivulet-scheduler`.
+    pub binary: Option<PathBuf>,
+    /// `auto`, `cpu` or `cuda:N`.
+    pub device: String,
+    /// Bytes of memory for the KV cache.
+    pub kv_cache_memory: u64,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// libtorch intra-op threads (default: all cores).
+    pub threads: Option<u32>,
+    /// Seconds to wait for the worker to load its model and report ready.
+    pub startup_timeout_secs: u64,
+    /// Seconds one iteration may take before the worker is declared hung.
+    pub step_timeout_secs: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerConfig {
+    /// Sequences in one iteration at most.
+    pub max_num_seqs: u32,
+    /// Tokens in one iteration at most (decode tokens plus prefill chunks).
+    pub max_num_batched_tokens: u32,
+    /// `max_new_tokens` for requests that do not set it.
+    pub default_max_new_tokens: u32,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            server: ServerConfig { listen: SocketAddr::from(([127, 0, 0, 1], 50051)), json_logs: false },
+            model: ModelConfig { path: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"), max_model_len: None },
+            worker: WorkerConfig {
+                binary: None,
+                device: "auto".to_owned(),
+                kv_cache_memory: 1 << 30,
+                block_size: 16,
+                threads: None,
+                startup_timeout_secs: 300,
+                step_timeout_secs: 120,
+            },
+            scheduler: SchedulerConfig { max_num_seqs: 64, max_num_batched_tokens: 512, default_max_new_tokens: 16 },
+        }
+    }
+}
+
+impl Config {
+    /// Defaults ← the TOML file (when it exists) ← `RIVULET_*` environment.
+    pub fn load(toml_path: Option<&std::path::Path>) -> Result<Self, ConfigError> {
+        let path = toml_path.map(PathBuf::from).unwrap_or_else(|| {
+            std::env::var_os("RIVULET_CONFIG").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("rivulet.toml"))
+        });
+        let figment = Figment::from(Serialized::defaults(Config::default()))
+            .merge(Toml::file(path))
+            .merge(Env::prefixed("RIVULET_").ignore(&["CONFIG"]).split("__"));
+        let config: Config = figment.extract().map_err(Box::new)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key, problem: &str| Err(ConfigError::Invalid { key, problem: problem.to_owned() });
+        if self.worker.block_size == 0 || self.worker.block_size > 1024 {
+            return invalid("worker.block_size", "must be between 1 and 1024");
+        }
+        if self.worker.kv_cache_memory == 0 {
+            return invalid("worker.kv_cache_memory", "must be positive");
+        }
+        if self.scheduler.max_num_seqs == 0 {
+            return invalid("scheduler.max_num_seqs", "must be positive");
+        }
+        if self.scheduler.max_num_batched_tokens < self.scheduler.max_num_seqs {
+            return invalid("scheduler.max_num_batched_tokens", "must be at least scheduler.max_num_seqs");
+        }
+        if self.scheduler.default_max_new_tokens == 0 {
+            return invalid("scheduler.default_max_new_tokens", "must be positive");
+        }
+        if self.worker.step_timeout_secs == 0 || self.worker.startup_timeout_secs == 0 {
+            return invalid("worker.step_timeout_secs", "timeouts must be positive");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn environment_overrides_nested_keys_and_errors_name_the_key() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("rivulet.toml", "[scheduler]\nmax_num_seqs = 8\n")?;
+            jail.set_env("RIVULET_SERVER__LISTEN", "127.0.0.1:6000");
+            let config = Config::load(None).map_err(|e| e.to_string())?;
+            assert_eq!(config.scheduler.max_num_seqs, 8);
+            assert_eq!(config.server.listen.port(), 6000);
+
+            jail.set_env("RIVULET_WORKER__BLOCK_SIZE", "0");
+            let err = Config::load(None).expect_err("block size 0").to_string();
+            assert!(err.contains("worker.block_size"), "{err}");
+
+            jail.set_env("RIVULET_WORKER__BLOCK_SIZE", "sixteen");
+            let err = Config::load(None).expect_err("not a number").to_string();
+            assert!(err.contains("block_size"), "{err}");
+            Ok(())
+        });
+    }
+}

@@ -1,0 +1,300 @@
+//! The engine loop: one thread that owns every piece of scheduling state — the waiting queue, the
+//! running sequences, the block manager and the worker — and drives one iteration at a time
+//! (DESIGN.md §2). gRPC handlers talk to it only through [`EngineHandle`]; no locks.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rivulet_ipc::ReadyInfo;
+use thiserror::Error;
+use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
+
+use crate::block_manager::BlockManager;
+use crate::completion::check_completion;
+use crate::config::Config;
+use crate::request::{EngineError, FinishReason, GenerationRequest, SequenceEvent, Usage};
+use crate::scheduler::{FcfsScheduler, SchedulerLimits, StepPlan};
+use crate::sequence::{Sequence, SequenceId};
+use crate::step_writer::StepWriter;
+use crate::tokenizer::ModelTokenizer;
+use crate::worker_client::{WorkerClient, WorkerClientError};
+
+/// How long after a failed worker restart the next one is tried.
+const RESTART_BACKOFF: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Error)]
+pub enum EngineStartError {
+    #[error("starting the worker: {0}")]
+    Worker(#[from] WorkerClientError),
+    #[error("the worker's vocabulary ({worker}) differs from the tokenizer's ({tokenizer})")]
+    VocabularyMismatch { worker: u32, tokenizer: u32 },
+    #[error("starting the engine thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+/// What request validation needs to know about the served model.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    pub ready: ReadyInfo,
+}
+
+enum EngineCommand {
+    Submit { request: GenerationRequest, events: UnboundedSender<SequenceEvent> },
+}
+
+/// A cheap, cloneable handle to the engine loop.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: UnboundedSender<EngineCommand>,
+    pub info: Arc<EngineInfo>,
+}
+
+impl EngineHandle {
+    /// Queues a validated request; its events arrive on the returned receiver. Dropping the
+    /// receiver cancels the request at the next iteration.
+    pub fn submit(&self, request: GenerationRequest) -> Result<UnboundedReceiver<SequenceEvent>, EngineError> {
+        let (events, receiver) = mpsc::unbounded_channel();
+        self.commands.send(EngineCommand::Submit { request, events }).map_err(|_| EngineError::ShuttingDown)?;
+        Ok(receiver)
+    }
+}
+
+/// Starts the worker (waiting for it to be ready) and the engine thread. The thread ends when
+/// every [`EngineHandle`] is dropped, after finishing the requests it holds.
+pub fn start(config: Config, tokenizer: Arc<ModelTokenizer>) -> Result<(EngineHandle, JoinHandle<()>), EngineStartError> {
+    let worker = WorkerClient::spawn(&config)?;
+    let ready = worker.ready().clone();
+    if ready.model.vocab_size != tokenizer.vocab_size() {
+        return Err(EngineStartError::VocabularyMismatch { worker: ready.model.vocab_size, tokenizer: tokenizer.vocab_size() });
+    }
+    tracing::info!(?ready, "worker ready");
+    let (commands, command_rx) = mpsc::unbounded_channel();
+    let engine = Engine::new(config, worker, tokenizer, command_rx);
+    let thread = std::thread::Builder::new().name("engine".to_owned()).spawn(move || engine.run())?;
+    Ok((EngineHandle { commands, info: Arc::new(EngineInfo { ready }) }, thread))
+}
+
+struct Engine {
+    config: Config,
+    worker: Option<WorkerClient>,
+    last_restart: Instant,
+    ready: ReadyInfo,
+    tokenizer: Arc<ModelTokenizer>,
+    scheduler: FcfsScheduler,
+    blocks: BlockManager,
+    running: Vec<Sequence>,
+    waiting: VecDeque<Sequence>,
+    commands: UnboundedReceiver<EngineCommand>,
+    commands_open: bool,
+    next_id: SequenceId,
+    step: u64,
+    writer: StepWriter,
+}
+
+impl Engine {
+    fn new(config: Config, worker: WorkerClient, tokenizer: Arc<ModelTokenizer>, commands: UnboundedReceiver<EngineCommand>) -> Self {
+        let ready = worker.ready().clone();
+        let scheduler = FcfsScheduler::new(SchedulerLimits {
+            max_num_seqs: config.scheduler.max_num_seqs as usize,
+            max_num_batched_tokens: config.scheduler.max_num_batched_tokens as usize,
+        });
+        Self {
+            blocks: BlockManager::new(ready.num_blocks, ready.block_size),
+            writer: StepWriter::default(),
+            worker: Some(worker),
+            last_restart: Instant::now(),
+            ready,
+            config,
+            tokenizer,
+            scheduler,
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            commands,
+            commands_open: true,
+            next_id: 1,
+            step: 0,
+        }
+    }
+
+    fn run(mut self) {
+        loop {
+            self.receive_commands();
+            if !self.commands_open && self.is_idle() {
+                break;
+            }
+            self.drop_abandoned();
+            if self.is_idle() {
+                continue;
+            }
+            if self.worker.is_none() && !self.restart_worker() {
+                self.fail_all(EngineError::WorkerUnavailable("the worker is restarting".to_owned()));
+                continue;
+            }
+            self.iterate();
+        }
+        tracing::info!("engine loop stopped");
+    }
+
+    fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    /// Takes every queued command; when there is nothing to do, waits for one (no spinning).
+    fn receive_commands(&mut self) {
+        if self.is_idle() && self.commands_open {
+            match self.commands.blocking_recv() {
+                Some(command) => self.handle(command),
+                None => self.commands_open = false,
+            }
+        }
+        loop {
+            match self.commands.try_recv() {
+                Ok(command) => self.handle(command),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => {
+                    self.commands_open = false;
+                    break;
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, command: EngineCommand) {
+        match command {
+            EngineCommand::Submit { request, events } => {
+                let id = self.next_id;
+                self.next_id += 1;
+                self.waiting.push_back(Sequence::new(id, request, events));
+            }
+        }
+    }
+
+    /// Cancellation: a client that went away has its sequence removed and its blocks freed.
+    fn drop_abandoned(&mut self) {
+        let blocks = &mut self.blocks;
+        self.running.retain_mut(|seq| {
+            let keep = !seq.is_abandoned();
+            if !keep {
+                blocks.release(&mut seq.blocks);
+                tracing::debug!(id = seq.id, "cancelled");
+            }
+            keep
+        });
+        self.waiting.retain_mut(|seq| {
+            let keep = !seq.is_abandoned();
+            if !keep {
+                blocks.release(&mut seq.blocks);
+            }
+            keep
+        });
+    }
+
+    fn iterate(&mut self) {
+        let plan = self.scheduler.plan(&mut self.running, &mut self.waiting, &mut self.blocks);
+        if plan.seqs.is_empty() {
+            // Nothing fits even alone: validation makes this unreachable, but never spin on it.
+            if let Some(seq) = self.waiting.pop_front() {
+                let _ = seq.events.send(SequenceEvent::Failed(EngineError::WorkerUnavailable(
+                    "the request does not fit in the KV cache".to_owned(),
+                )));
+            }
+            return;
+        }
+        self.step += 1;
+        let Some(worker) = self.worker.as_mut() else { return };
+        self.writer.write(worker.buffer_mut(), self.step, &plan, &self.running, self.blocks.block_size());
+        match worker.run_step(self.step) {
+            Ok(_timing) => self.apply_outputs(&plan),
+            Err(error) => self.on_worker_failure(error),
+        }
+    }
+
+    fn apply_outputs(&mut self, plan: &StepPlan) {
+        let Some(worker) = self.worker.as_ref() else { return };
+        let buffer = worker.buffer();
+        let sampled = buffer.i64_array(buffer.layout().sampled_tokens);
+        let max_model_len = self.ready.max_model_len as usize;
+        let mut finished: Vec<(usize, FinishReason)> = Vec::new();
+        for (slot, scheduled) in plan.seqs.iter().enumerate() {
+            let seq = &mut self.running[scheduled.running_index];
+            seq.num_computed += scheduled.num_tokens;
+            if !scheduled.sample {
+                continue;
+            }
+            let token = sampled[slot] as u32;
+            seq.tokens.push(token);
+            let text = match seq.detokenizer.push(&self.tokenizer, token) {
+                Ok(text) => text,
+                Err(error) => {
+                    let _ = seq.events.send(SequenceEvent::Failed(EngineError::Detokenize(error.to_string())));
+                    finished.push((scheduled.running_index, FinishReason::Cancelled));
+                    continue;
+                }
+            };
+            let _ = seq.events.send(SequenceEvent::Tokens { token_ids: vec![token], text });
+            if let Some(reason) = check_completion(seq, &self.ready.eos_token_ids, max_model_len) {
+                finished.push((scheduled.running_index, reason));
+            }
+        }
+        // Remove from the back so earlier indices stay valid.
+        finished.sort_unstable_by_key(|(index, _)| std::cmp::Reverse(*index));
+        for (index, reason) in finished {
+            let mut seq = self.running.remove(index);
+            self.blocks.release(&mut seq.blocks);
+            let text = seq.detokenizer.flush(&self.tokenizer).unwrap_or_default();
+            let usage = Usage { prompt_tokens: seq.prompt_len() as u32, completion_tokens: seq.num_generated() as u32 };
+            let _ = seq.events.send(SequenceEvent::Finished { reason, text, usage });
+        }
+    }
+
+    /// The worker died, hung or refused the step: the running requests fail with UNAVAILABLE,
+    /// every block is freed, and a new worker is started. Waiting requests wait for it.
+    fn on_worker_failure(&mut self, error: WorkerClientError) {
+        tracing::error!(%error, "worker failed; restarting it");
+        let message = error.to_string();
+        for mut seq in self.running.drain(..) {
+            self.blocks.release(&mut seq.blocks);
+            let _ = seq.events.send(SequenceEvent::Failed(EngineError::WorkerUnavailable(message.clone())));
+        }
+        for seq in self.waiting.iter_mut() {
+            self.blocks.release(&mut seq.blocks);
+            seq.num_computed = 0;
+        }
+        self.worker = None;
+        self.restart_worker();
+    }
+
+    fn restart_worker(&mut self) -> bool {
+        if self.worker.is_some() {
+            return true;
+        }
+        if self.last_restart.elapsed() < RESTART_BACKOFF && self.step > 0 {
+            std::thread::sleep(RESTART_BACKOFF.saturating_sub(self.last_restart.elapsed()));
+        }
+        self.last_restart = Instant::now();
+        match WorkerClient::spawn(&self.config) {
+            Ok(worker) if worker.ready().num_blocks == self.ready.num_blocks && worker.ready().block_size == self.ready.block_size => {
+                tracing::info!("worker restarted");
+                self.worker = Some(worker);
+                true
+            }
+            Ok(_) => {
+                tracing::error!("restarted worker reports a different KV cache; not using it");
+                false
+            }
+            Err(error) => {
+                tracing::error!(%error, "worker restart failed");
+                false
+            }
+        }
+    }
+
+    fn fail_all(&mut self, error: EngineError) {
+        for mut seq in self.running.drain(..).chain(self.waiting.drain(..)) {
+            self.blocks.release(&mut seq.blocks);
+            let _ = seq.events.send(SequenceEvent::Failed(error.clone()));
+        }
+    }
+}

@@ -1,0 +1,23 @@
+//! Rivulet's scheduler service: the gRPC front end and the engine loop that owns tokenization,
+//! queueing, scheduling, paged KV accounting and completion. See `../shared/DESIGN.md`.
+//!
+//! - [`server`] / [`service`]: gRPC (Generation, health, reflection), errors mapped to `Status`.
+//! - [`engine`]: the single loop that owns all scheduling state and drives the worker.
+//! - [`scheduler`]: planning each iteration (continuous batching, chunked prefill, preemption).
+//! - [`block_manager`]: paged KV block accounting.
+//! - [`completion`], [`detokenizer`], [`tokenizer`]: text in and out.
+//! - [`worker_client`], [`step_writer`]: the worker process and its shared-memory step buffer.
+
+pub mod block_manager;
+pub mod completion;
+pub mod config;
+pub mod detokenizer;
+pub mod engine;
+pub mod request;
+pub mod scheduler;
+pub mod sequence;
+pub mod server;
+pub mod service;
+pub mod step_writer;
+pub mod tokenizer;
+pub mod worker_client;

@@ -1,0 +1,55 @@
+//! A request being served: its tokens, how many of them have KV in the cache, its block table and
+//! the channel its results go to.
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::detokenizer::IncrementalDetokenizer;
+use crate::request::{GenerationRequest, SequenceEvent};
+
+pub type SequenceId = u64;
+
+pub struct Sequence {
+    pub id: SequenceId,
+    pub request: GenerationRequest,
+    /// Prompt followed by the generated tokens.
+    pub tokens: Vec<u32>,
+    /// Leading tokens of `tokens` whose K and V are in the cache.
+    pub num_computed: usize,
+    /// KV blocks holding this sequence's tokens, in order.
+    pub blocks: Vec<u32>,
+    pub detokenizer: IncrementalDetokenizer,
+    pub events: UnboundedSender<SequenceEvent>,
+}
+
+impl Sequence {
+    pub fn new(id: SequenceId, request: GenerationRequest, events: UnboundedSender<SequenceEvent>) -> Self {
+        Self {
+            id,
+            tokens: request.prompt_ids.clone(),
+            request,
+            num_computed: 0,
+            blocks: Vec::new(),
+            detokenizer: IncrementalDetokenizer::default(),
+            events,
+        }
+    }
+
+    pub fn prompt_len(&self) -> usize {
+        self.request.prompt_ids.len()
+    }
+
+    pub fn num_generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len()
+    }
+
+    /// Tokens not yet in the KV cache: the prompt (or a preempted sequence's whole history) before
+    /// its prefill is done, one token while decoding.
+    pub fn num_uncomputed(&self) -> usize {
+        self.tokens.len() - self.num_computed
+    }
+
+    /// The client went away (dropped its stream or call): nobody wants the result.
+    pub fn is_abandoned(&self) -> bool {
+        self.events.is_closed()
+    }
+}

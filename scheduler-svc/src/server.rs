@@ -1,0 +1,70 @@
+//! Assembling and running the gRPC server: the Generation service, the standard health service and
+//! server reflection, with graceful shutdown on SIGINT/SIGTERM.
+
+use std::sync::Arc;
+
+use rivulet::proto;
+use rivulet_gguf::GgufFile;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::Server;
+
+use crate::config::Config;
+use crate::engine;
+use crate::service::GenerationService;
+use crate::tokenizer::ModelTokenizer;
+
+/// Loads the tokenizer, starts the worker and the engine, and serves until a shutdown signal.
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    let file = GgufFile::open(&config.model.path)?;
+    let tokenizer = Arc::new(ModelTokenizer::from_gguf(&file)?);
+    drop(file);
+
+    let engine_config = config.clone();
+    let engine_tokenizer = tokenizer.clone();
+    let (engine, engine_thread) = tokio::task::spawn_blocking(move || engine::start(engine_config, engine_tokenizer)).await??;
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<proto::generation_server::GenerationServer<GenerationService>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+
+    let listener = tokio::net::TcpListener::bind(config.server.listen).await?;
+    let address = listener.local_addr()?;
+    // On stdout, for scripts and tests that start the server on port 0.
+    println!("rivulet-scheduler listening on {address}");
+    tracing::info!(%address, model = %config.model.path.display(), "serving");
+
+    let service = GenerationService::new(engine, tokenizer, config.scheduler.default_max_new_tokens);
+    Server::builder()
+        .add_service(health_service)
+        .add_service(reflection)
+        .add_service(proto::generation_server::GenerationServer::new(service))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown_signal())
+        .await?;
+
+    tracing::info!("server stopped; waiting for the engine to finish");
+    // The service (and its engine handle) is gone, so the engine drains and stops the worker.
+    tokio::task::spawn_blocking(move || engine_thread.join()).await?.map_err(|_| anyhow::anyhow!("engine thread panicked"))?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+    tracing::info!("shutdown signal received");
+}

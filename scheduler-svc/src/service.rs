@@ -1,0 +1,171 @@
+//! The `rivulet.v1.Generation` gRPC service: a thin adapter that validates, converts proto ⇄
+//! domain types, hands requests to the engine and maps errors to `Status` in one place.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use rivulet::proto;
+use rivulet::proto::generation_server::Generation;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status};
+
+use crate::engine::EngineHandle;
+use crate::request::{
+    EngineError, FinishReason, GenerationRequest, InvalidRequest, SamplingParams, SequenceEvent, StoppingParams, Usage,
+};
+use crate::tokenizer::ModelTokenizer;
+
+pub struct GenerationService {
+    engine: EngineHandle,
+    tokenizer: Arc<ModelTokenizer>,
+    default_max_new_tokens: u32,
+}
+
+impl GenerationService {
+    pub fn new(engine: EngineHandle, tokenizer: Arc<ModelTokenizer>, default_max_new_tokens: u32) -> Self {
+        Self { engine, tokenizer, default_max_new_tokens }
+    }
+
+    /// Validates and tokenizes a request; every error names the offending field.
+    fn to_domain(&self, request: proto::GenerateRequest) -> Result<GenerationRequest, InvalidRequest> {
+        let ready = &self.engine.info.ready;
+        let max_model_len = ready.max_model_len as usize;
+        let prompt_ids = match (request.prompt.is_empty(), request.prompt_token_ids.is_empty()) {
+            (false, false) => return Err(InvalidRequest::new("prompt", "set either prompt or prompt_token_ids, not both")),
+            (true, true) => return Err(InvalidRequest::new("prompt", "must not be empty (set prompt or prompt_token_ids)")),
+            (false, true) => {
+                let ids = self.tokenizer.encode(&request.prompt).map_err(|e| InvalidRequest::new("prompt", e.to_string()))?;
+                if ids.is_empty() {
+                    return Err(InvalidRequest::new("prompt", "tokenizes to no tokens"));
+                }
+                ids
+            }
+            (true, false) => {
+                let vocab = ready.model.vocab_size;
+                if let Some(bad) = request.prompt_token_ids.iter().find(|&&id| id >= vocab) {
+                    return Err(InvalidRequest::new(
+                        "prompt_token_ids",
+                        format!("token id {bad} is outside the vocabulary of {vocab}"),
+                    ));
+                }
+                request.prompt_token_ids
+            }
+        };
+        let prompt_field = if request.prompt.is_empty() { "prompt_token_ids" } else { "prompt" };
+        if prompt_ids.len() >= max_model_len {
+            return Err(InvalidRequest::new(
+                prompt_field,
+                format!("{} tokens leave no room in the model's context of {max_model_len} tokens", prompt_ids.len()),
+            ));
+        }
+
+        let sampling = request.sampling.unwrap_or_default();
+        let temperature = sampling.temperature.unwrap_or(0.0);
+        if !temperature.is_finite() || temperature < 0.0 {
+            return Err(InvalidRequest::new("sampling.temperature", format!("{temperature} must be a finite number >= 0")));
+        }
+
+        let stopping = request.stopping.unwrap_or_default();
+        let max_new_tokens = stopping.max_new_tokens.unwrap_or(self.default_max_new_tokens);
+        if max_new_tokens == 0 {
+            return Err(InvalidRequest::new("stopping.max_new_tokens", "must be at least 1"));
+        }
+        let total = prompt_ids.len() + max_new_tokens as usize;
+        if total > max_model_len {
+            return Err(InvalidRequest::new(
+                "stopping.max_new_tokens",
+                format!(
+                    "prompt ({} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the model's context of {max_model_len}",
+                    prompt_ids.len()
+                ),
+            ));
+        }
+        let capacity = ready.num_blocks as usize * ready.block_size as usize;
+        if total > capacity {
+            return Err(InvalidRequest::new(
+                "stopping.max_new_tokens",
+                format!("prompt + max_new_tokens = {total} tokens can never fit in the KV cache of {capacity} tokens"),
+            ));
+        }
+        Ok(GenerationRequest {
+            prompt_ids,
+            sampling: SamplingParams { temperature },
+            stopping: StoppingParams { max_new_tokens, ignore_eos: stopping.ignore_eos },
+        })
+    }
+
+    fn submit(&self, request: proto::GenerateRequest) -> Result<tokio::sync::mpsc::UnboundedReceiver<SequenceEvent>, Status> {
+        let request = self.to_domain(request).map_err(invalid_argument)?;
+        self.engine.submit(request).map_err(engine_status)
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<proto::GenerateStreamResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Generation for GenerationService {
+    async fn generate(&self, request: Request<proto::GenerateRequest>) -> Result<Response<proto::GenerateResponse>, Status> {
+        let mut events = self.submit(request.into_inner())?;
+        let mut response = proto::GenerateResponse::default();
+        while let Some(event) = events.recv().await {
+            match event {
+                SequenceEvent::Tokens { token_ids, text } => {
+                    response.token_ids.extend(token_ids);
+                    response.text.push_str(&text);
+                }
+                SequenceEvent::Finished { reason, text, usage } => {
+                    response.text.push_str(&text);
+                    response.finish_reason = proto_reason(reason) as i32;
+                    response.usage = Some(proto_usage(usage));
+                    return Ok(Response::new(response));
+                }
+                SequenceEvent::Failed(error) => return Err(engine_status(error)),
+            }
+        }
+        Err(Status::unavailable("the engine stopped before the request finished"))
+    }
+
+    type StreamGenerateStream = EventStream;
+
+    async fn stream_generate(&self, request: Request<proto::GenerateRequest>) -> Result<Response<EventStream>, Status> {
+        let events = self.submit(request.into_inner())?;
+        // Dropping this stream (the client went away) drops the receiver, which cancels the
+        // request at the engine's next iteration.
+        let stream = UnboundedReceiverStream::new(events).map(|event| match event {
+            SequenceEvent::Tokens { token_ids, text } => Ok(proto::GenerateStreamResponse { text, token_ids, ..Default::default() }),
+            SequenceEvent::Finished { reason, text, usage } => Ok(proto::GenerateStreamResponse {
+                text,
+                token_ids: Vec::new(),
+                finish_reason: proto_reason(reason) as i32,
+                usage: Some(proto_usage(usage)),
+            }),
+            SequenceEvent::Failed(error) => Err(engine_status(error)),
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+fn invalid_argument(error: InvalidRequest) -> Status {
+    Status::invalid_argument(error.to_string())
+}
+
+fn engine_status(error: EngineError) -> Status {
+    match error {
+        EngineError::WorkerUnavailable(_) | EngineError::ShuttingDown => Status::unavailable(error.to_string()),
+        EngineError::Detokenize(_) => Status::internal(error.to_string()),
+    }
+}
+
+fn proto_reason(reason: FinishReason) -> proto::FinishReason {
+    match reason {
+        FinishReason::MaxTokens => proto::FinishReason::MaxTokens,
+        FinishReason::EosToken => proto::FinishReason::EosToken,
+        FinishReason::Length => proto::FinishReason::Length,
+        FinishReason::Cancelled => proto::FinishReason::Cancelled,
+    }
+}
+
+fn proto_usage(usage: Usage) -> proto::Usage {
+    proto::Usage { prompt_tokens: usage.prompt_tokens, completion_tokens: usage.completion_tokens }
+}

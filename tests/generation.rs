@@ -1,0 +1,138 @@
+//! End to end on the real model: `rivulet-scheduler` + `rivulet-worker` processes, gRPC over
+//! 127.0.0.1, checked against Hugging Face `transformers` on the same GGUF file.
+
+mod common;
+
+use common::{greedy_request, hf_reference, shared_server};
+use futures::future::join_all;
+use rivulet::proto::{FinishReason, GenerateRequest, StoppingCriteria};
+use serde_json::json;
+use tokio_stream::StreamExt;
+use tonic::Code;
+
+const REFERENCE_TOKENS: u32 = 32;
+
+fn varied_prompts() -> Vec<String> {
+    vec![
+        "The capital of France is".to_owned(),
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n".to_owned(),
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nName three primary colors.<|im_end|>\n<|im_start|>assistant\n".to_owned(),
+        "Count: 1, 2, 3, 4, 5,".to_owned(),
+        "Les fleurs du jardin sont très belles, et le café — naturellement —".to_owned(),
+        "In 1969, Apollo 11 landed on the Moon. The astronauts were".to_owned(),
+        "Once upon a time".to_owned(),
+        "SELECT name, COUNT(*) FROM users WHERE".to_owned(),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn greedy_continuations_match_transformers_token_for_token() {
+    let prompts = varied_prompts();
+    let reference = tokio::task::spawn_blocking({
+        let prompts = prompts.clone();
+        move || hf_reference(json!({"task": "greedy", "prompts": prompts, "max_new_tokens": REFERENCE_TOKENS}))
+    })
+    .await
+    .expect("reference");
+    let mut client = shared_server().client().await;
+    for (prompt, expected) in prompts.iter().zip(reference["results"].as_array().expect("results")) {
+        let expected_prompt: Vec<u32> = serde_json::from_value(expected["prompt_ids"].clone()).expect("ids");
+        let expected_output: Vec<u32> = serde_json::from_value(expected["output_ids"].clone()).expect("ids");
+        let response = client.generate(greedy_request(prompt, REFERENCE_TOKENS)).await.expect("generate").into_inner();
+        let usage = response.usage.expect("usage");
+        assert_eq!(usage.prompt_tokens as usize, expected_prompt.len(), "prompt token count for {prompt:?}");
+        assert_eq!(response.token_ids, expected_output, "greedy tokens for {prompt:?}");
+        assert_eq!(usage.completion_tokens, REFERENCE_TOKENS);
+        assert_eq!(response.finish_reason(), FinishReason::MaxTokens);
+
+        // The same prompt given as token ids gives the same continuation.
+        let by_ids = GenerateRequest { prompt: String::new(), prompt_token_ids: expected_prompt, ..greedy_request("", REFERENCE_TOKENS) };
+        let response = client.generate(by_ids).await.expect("generate by ids").into_inner();
+        assert_eq!(response.token_ids, expected_output, "greedy tokens from prompt_token_ids for {prompt:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_requests_give_the_same_tokens_as_each_alone() {
+    let server = shared_server();
+    let prompts = varied_prompts();
+    let mut client = server.client().await;
+    let mut alone = Vec::new();
+    for prompt in &prompts {
+        alone.push(client.generate(greedy_request(prompt, 24)).await.expect("alone").into_inner().token_ids);
+    }
+    let together = join_all(prompts.iter().map(|prompt| async move {
+        let mut client = server.client().await;
+        client.generate(greedy_request(prompt, 24)).await.expect("together").into_inner().token_ids
+    }))
+    .await;
+    for ((prompt, alone), together) in prompts.iter().zip(alone).zip(together) {
+        assert_eq!(alone.len(), 24);
+        assert_eq!(together, alone, "batched output differs for {prompt:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn streamed_deltas_concatenate_to_the_unary_result() {
+    let mut client = shared_server().client().await;
+    for prompt in ["Write a haiku about rivers:", "日本の首都は", "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"] {
+        let mut request = greedy_request(prompt, 40);
+        request.stopping = Some(StoppingCriteria { max_new_tokens: Some(40), ignore_eos: false });
+        let unary = client.generate(request.clone()).await.expect("unary").into_inner();
+
+        let mut stream = client.stream_generate(request).await.expect("stream").into_inner();
+        let (mut text, mut ids, mut messages) = (String::new(), Vec::new(), Vec::new());
+        while let Some(message) = stream.next().await {
+            let message = message.expect("stream message");
+            text.push_str(&message.text);
+            ids.extend_from_slice(&message.token_ids);
+            messages.push(message);
+        }
+        let last = messages.last().expect("at least one message");
+        assert_eq!(text, unary.text, "streamed text for {prompt:?}");
+        assert_eq!(ids, unary.token_ids);
+        assert_eq!(last.finish_reason(), unary.finish_reason());
+        assert_ne!(last.finish_reason(), FinishReason::Unspecified);
+        assert_eq!(last.usage, unary.usage);
+        assert!(messages[..messages.len() - 1].iter().all(|m| m.finish_reason() == FinishReason::Unspecified && m.usage.is_none()));
+        assert!(!unary.text.contains('\u{FFFD}'), "half a character reached the client: {:?}", unary.text);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_chat_prompt_can_end_on_eos() {
+    let mut client = shared_server().client().await;
+    let mut request = greedy_request("<|im_start|>user\nReply with just the word yes.<|im_end|>\n<|im_start|>assistant\n", 64);
+    request.stopping = Some(StoppingCriteria { max_new_tokens: Some(64), ignore_eos: false });
+    let response = client.generate(request).await.expect("generate").into_inner();
+    assert_eq!(response.finish_reason(), FinishReason::EosToken, "{response:?}");
+    assert!(!response.text.contains("<|im_end|>"), "the EOS token's text is not part of the output");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_input_is_invalid_argument_naming_the_field_and_the_server_keeps_serving() {
+    let mut client = shared_server().client().await;
+    let long_prompt = "word ".repeat(3000);
+    let cases: Vec<(GenerateRequest, &str)> = vec![
+        (GenerateRequest::default(), "prompt"),
+        (greedy_request("", 8), "prompt"),
+        (greedy_request(&long_prompt, 8), "prompt"),
+        (greedy_request("Hello", 0), "stopping.max_new_tokens"),
+        (greedy_request("Hello", 5000), "stopping.max_new_tokens"),
+        (GenerateRequest { prompt_token_ids: vec![1, 999_999], ..greedy_request("", 8) }, "prompt_token_ids"),
+        (GenerateRequest { prompt_token_ids: vec![1, 2], ..greedy_request("Hello", 8) }, "prompt"),
+        (
+            GenerateRequest { sampling: Some(rivulet::proto::SamplingParams { temperature: Some(-1.0) }), ..greedy_request("Hi", 8) },
+            "sampling.temperature",
+        ),
+    ];
+    for (request, field) in cases {
+        let status = client.generate(request.clone()).await.expect_err("must be rejected");
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        assert!(status.message().starts_with(field), "message {:?} should name {field}", status.message());
+        let status = client.stream_generate(request).await.expect_err("must be rejected");
+        assert_eq!(status.code(), Code::InvalidArgument);
+    }
+    let response = client.generate(greedy_request("Hello", 4)).await.expect("a good request still works").into_inner();
+    assert_eq!(response.token_ids.len(), 4);
+}

@@ -1,0 +1,90 @@
+"""Independent reference for Rivulet's tests: Hugging Face `transformers` on the same GGUF file.
+
+Reads a JSON request on stdin and writes a JSON answer on stdout:
+  {"task": "greedy", "prompts": [...], "max_new_tokens": N}
+      -> {"results": [{"prompt_ids": [...], "output_ids": [...]}, ...]}
+  {"task": "tokenize", "texts": [...]} -> {"ids": [[...], ...]}
+  {"task": "dequantize", "tensors": [...], "out_dir": "..."}
+      -> {"tensors": [{"name", "type", "shape", "path"}]}; each path holds little-endian f32 values,
+      dequantized by the `gguf` package's own dequantizer.
+
+transformers dequantizes GGUF weights to f32 and undoes llama.cpp's Q/K permutation itself, so
+nothing here shares code or conventions with Rivulet's loader.
+"""
+import json
+import os
+import sys
+
+
+def load_tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+
+
+def greedy(model_path, prompts, max_new_tokens):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(model_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), torch_dtype=torch.float32
+    )
+    model.eval()
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            # A plain greedy loop with a KV cache: no EOS stopping, exactly max_new_tokens tokens.
+            out = model(torch.tensor([ids]), use_cache=True)
+            past = out.past_key_values
+            generated = []
+            for _ in range(max_new_tokens):
+                token = int(out.logits[0, -1].argmax())
+                generated.append(token)
+                out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+            results.append({"prompt_ids": ids, "output_ids": generated})
+    return {"results": results}
+
+
+def tokenize(model_path, texts):
+    tokenizer = load_tokenizer(model_path)
+    return {"ids": [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]}
+
+
+def dequantize(model_path, names, out_dir):
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize as gguf_dequantize
+
+    reader = GGUFReader(model_path)
+    by_name = {t.name: t for t in reader.tensors}
+    answer = []
+    for name in names:
+        tensor = by_name[name]
+        values = gguf_dequantize(tensor.data, tensor.tensor_type).astype("<f4")
+        path = os.path.join(out_dir, name + ".f32")
+        values.tofile(path)
+        answer.append({"name": name, "type": tensor.tensor_type.name, "shape": list(values.shape), "path": path})
+    return {"tensors": answer}
+
+
+def main():
+    request = json.load(sys.stdin)
+    model_path = os.path.abspath(request["model"])
+    task = request["task"]
+    if task == "greedy":
+        answer = greedy(model_path, request["prompts"], request["max_new_tokens"])
+    elif task == "tokenize":
+        answer = tokenize(model_path, request["texts"])
+    elif task == "dequantize":
+        answer = dequantize(model_path, request["tensors"], request["out_dir"])
+    else:
+        raise SystemExit(f"unknown task {task!r}")
+    json.dump(answer, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

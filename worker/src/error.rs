@@ -1,0 +1,21 @@
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum WorkerError {
+    #[error("model file: {0}")]
+    Gguf(#[from] rivulet_gguf::GgufError),
+    #[error("model `{0}` is not supported: {1}")]
+    UnsupportedModel(String, String),
+    #[error("libtorch: {0}")]
+    Torch(#[from] tch::TchError),
+    #[error("step buffer: {0}")]
+    StepBuffer(#[from] rivulet_ipc::StepBufferError),
+    #[error("invalid step: {0}")]
+    InvalidStep(String),
+    #[error("KV cache: {0}")]
+    KvCache(String),
+    #[error("device `{0}` is not available: {1}")]
+    Device(String, String),
+    #[error("IPC: {0}")]
+    Ipc(String),
+}

@@ -1,0 +1,70 @@
+//! The paged KV cache: per layer, K and V tensors of `[num_blocks, block_size, n_kv_heads,
+//! head_dim]`. A token's KV lives at slot `block * block_size + offset`; the scheduler's slot
+//! mapping says where each new token goes and its block tables say where each sequence's past is.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::config::ModelConfig;
+use crate::error::WorkerError;
+
+pub struct LayerKv {
+    pub keys: Tensor,
+    pub values: Tensor,
+}
+
+impl LayerKv {
+    /// Flat `[num_slots, n_kv_heads, head_dim]` views sharing the cache's storage.
+    pub fn flat(&self) -> (Tensor, Tensor) {
+        let (blocks, block_size, heads, dim) = self.keys.size4().expect("KV cache is 4-D");
+        let shape = [blocks * block_size, heads, dim];
+        (self.keys.view(shape), self.values.view(shape))
+    }
+}
+
+pub struct KvCache {
+    pub layers: Vec<LayerKv>,
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+/// Bytes one block takes across all layers (K and V).
+pub fn bytes_per_block(config: &ModelConfig, block_size: usize, kind: Kind) -> usize {
+    2 * config.num_layers * block_size * config.kv_dim() * kind.elt_size_in_bytes()
+}
+
+impl KvCache {
+    /// Allocates as many blocks as `memory_bytes` holds; fails when that cannot hold one sequence
+    /// of `max_model_len` tokens.
+    pub fn allocate(
+        config: &ModelConfig,
+        block_size: usize,
+        memory_bytes: usize,
+        max_model_len: usize,
+        device: Device,
+        kind: Kind,
+    ) -> Result<Self, WorkerError> {
+        if block_size == 0 {
+            return Err(WorkerError::KvCache("block_size must be positive".to_owned()));
+        }
+        let per_block = bytes_per_block(config, block_size, kind);
+        let num_blocks = memory_bytes / per_block;
+        let needed = max_model_len.div_ceil(block_size);
+        if num_blocks < needed {
+            return Err(WorkerError::KvCache(format!(
+                "kv_cache_memory of {memory_bytes} bytes gives {num_blocks} blocks of {block_size} tokens \
+                 ({per_block} bytes each), fewer than the {needed} one {max_model_len}-token sequence needs"
+            )));
+        }
+        let shape = [num_blocks as i64, block_size as i64, config.num_kv_heads as i64, config.head_dim as i64];
+        let layers = (0..config.num_layers)
+            .map(|_| -> Result<LayerKv, WorkerError> {
+                Ok(LayerKv { keys: Tensor::f_zeros(shape, (kind, device))?, values: Tensor::f_zeros(shape, (kind, device))? })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self { layers, num_blocks, block_size })
+    }
+
+    pub fn num_slots(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+}

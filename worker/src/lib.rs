@@ -1,0 +1,26 @@
+//! Rivulet's model worker. It owns the model weights and the paged KV cache and executes exactly
+//! the iteration the scheduler describes in the shared-memory step buffer; it knows nothing about
+//! queues or policies.
+//!
+//! - [`config`]: model hyper-parameters read from GGUF metadata.
+//! - [`weights`]: GGUF tensors dequantized into libtorch tensors.
+//! - [`model`]: the Llama-family forward pass over a flat batch of tokens.
+//! - [`kv_cache`]: the paged KV cache tensors and their sizing from a memory budget.
+//! - [`attention`]: per-step attention metadata and paged attention.
+//! - [`step_view`]: the only `unsafe`: step-buffer arrays wrapped as tensors without a copy.
+//! - [`sampler`]: choosing each sequence's next token.
+//! - [`service`]: the IPC loop that ties them together.
+
+pub mod attention;
+pub mod config;
+pub mod device;
+pub mod error;
+pub mod kv_cache;
+pub mod model;
+pub mod rope;
+pub mod sampler;
+pub mod service;
+pub mod step_view;
+pub mod weights;
+
+pub use error::WorkerError;

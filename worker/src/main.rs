@@ -1,0 +1,48 @@
+//! `rivulet-worker`: spawned by `rivulet-scheduler`, one per device. Not meant to be run by hand.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use rivulet_worker::service::{serve, WorkerOptions};
+
+#[derive(Debug, Parser)]
+#[command(version, about = "Rivulet model worker (spawned by rivulet-scheduler)")]
+struct Args {
+    /// Name of the scheduler's IpcOneShotServer to connect to.
+    #[arg(long)]
+    ipc_server: String,
+    /// GGUF model file.
+    #[arg(long)]
+    model: PathBuf,
+    /// auto, cpu or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Bytes of memory for the KV cache.
+    #[arg(long)]
+    kv_cache_memory: usize,
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// Intra-op threads (default: libtorch's choice, all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let options = WorkerOptions {
+        model_path: args.model,
+        device: args.device,
+        kv_cache_memory: args.kv_cache_memory,
+        block_size: args.block_size,
+        max_model_len: args.max_model_len,
+        threads: args.threads,
+    };
+    serve(&options, &args.ipc_server).context("worker failed")
+}

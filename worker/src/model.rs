@@ -1,0 +1,83 @@
+//! The Llama-family decoder: embeddings, RMSNorm, grouped-query attention with rotary embeddings
+//! over the paged KV cache, SwiGLU MLP, tied or separate output head.
+//!
+//! All tokens of a step — prompt chunks and decode tokens of many sequences — run through the
+//! projections and the MLP as one flat `[tokens, hidden]` batch; only attention looks at sequences.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::attention::AttentionPlan;
+use crate::config::ModelConfig;
+use crate::kv_cache::KvCache;
+use crate::rope::Rope;
+use crate::weights::ModelWeights;
+
+pub struct LlamaModel {
+    pub config: ModelConfig,
+    weights: ModelWeights,
+    rope: Rope,
+    pub device: Device,
+    pub kind: Kind,
+}
+
+/// One step's flat inputs, on the compute device.
+pub struct ForwardInputs<'a> {
+    /// `[tokens]` i64.
+    pub input_ids: &'a Tensor,
+    /// `[tokens]` i64, each token's position in its sequence.
+    pub positions: &'a Tensor,
+    /// `[tokens]` i64, where each token's K and V are written.
+    pub slot_mapping: &'a Tensor,
+    pub attention: &'a AttentionPlan,
+    /// `[samples]` i64: the rows whose logits are wanted (each sampled sequence's last token).
+    pub logit_rows: &'a Tensor,
+}
+
+impl LlamaModel {
+    pub fn new(config: ModelConfig, weights: ModelWeights, max_positions: usize, device: Device, kind: Kind) -> Self {
+        let rope = Rope::new(config.head_dim, config.rope_theta, max_positions, device);
+        Self { config, weights, rope, device, kind }
+    }
+
+    /// Runs the step and returns f32 logits `[samples, vocab]` for `logit_rows`.
+    pub fn forward(&self, inputs: &ForwardInputs<'_>, kv_cache: &KvCache) -> Tensor {
+        let config = &self.config;
+        let tokens = inputs.input_ids.size()[0];
+        let q_dim = (config.num_heads * config.head_dim) as i64;
+        let kv_dim = config.kv_dim() as i64;
+        let (heads, kv_heads, head_dim) = (config.num_heads as i64, config.num_kv_heads as i64, config.head_dim as i64);
+
+        let mut hidden = self.weights.token_embedding.index_select(0, inputs.input_ids);
+        for (layer, cache) in self.weights.layers.iter().zip(&kv_cache.layers) {
+            let normed = self.rms_norm(&hidden, &layer.attn_norm);
+            let qkv = normed.linear::<Tensor>(&layer.qkv_proj, None);
+            let parts = qkv.split_with_sizes([q_dim, kv_dim, kv_dim], 1);
+            let q = self.rope.apply(&parts[0].view([tokens, heads, head_dim]), inputs.positions);
+            let k = self.rope.apply(&parts[1].view([tokens, kv_heads, head_dim]), inputs.positions);
+            let v = parts[2].view([tokens, kv_heads, head_dim]);
+
+            let (mut key_cache, mut value_cache) = cache.flat();
+            let _ = key_cache.index_copy_(0, inputs.slot_mapping, &k);
+            let _ = value_cache.index_copy_(0, inputs.slot_mapping, &v);
+            let attended = inputs.attention.attend(&q, &key_cache, &value_cache);
+            hidden += attended.linear::<Tensor>(&layer.o_proj, None);
+
+            let normed = self.rms_norm(&hidden, &layer.ffn_norm);
+            let gate_up = normed.linear::<Tensor>(&layer.gate_up_proj, None).chunk(2, 1);
+            let activated = gate_up[0].silu() * &gate_up[1];
+            hidden += activated.linear::<Tensor>(&layer.down_proj, None);
+        }
+        // Only the sampled rows need the (vocabulary-sized) output head.
+        let last = hidden.index_select(0, inputs.logit_rows);
+        let normed = self.rms_norm(&last, &self.weights.output_norm);
+        normed.linear::<Tensor>(&self.weights.lm_head, None).to_kind(Kind::Float)
+    }
+
+    /// RMSNorm computed in f32 whatever the compute dtype.
+    fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
+        let xf = x.to_kind(Kind::Float);
+        let variance = xf.square().mean_dim(-1, true, Kind::Float);
+        let normed = xf * (variance + self.config.rms_norm_eps).rsqrt();
+        normed.to_kind(self.kind) * weight
+    }
+}

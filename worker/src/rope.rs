@@ -1,0 +1,36 @@
+//! Rotary position embedding in the interleaved layout (adjacent dimension pairs), as llama.cpp's
+//! `rope_f32` with `GGML_ROPE_TYPE_NORM` — the layout GGUF's permuted Q/K rows expect.
+
+use tch::{Device, Kind, Tensor};
+
+pub struct Rope {
+    /// `[max_positions, head_dim / 2]`, f32.
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    pub fn new(head_dim: usize, theta: f64, max_positions: usize, device: Device) -> Self {
+        let half = (head_dim / 2) as i64;
+        let options = (Kind::Float, device);
+        let exponents = Tensor::arange(half, (Kind::Double, device)) * (2.0 / head_dim as f64);
+        let inv_freq = Tensor::from(theta).to_device(device).pow(&exponents).reciprocal();
+        let positions = Tensor::arange(max_positions as i64, (Kind::Double, device));
+        let angles = positions.outer(&inv_freq);
+        Self { cos: angles.cos().to_kind(options.0), sin: angles.sin().to_kind(options.0) }
+    }
+
+    /// Rotates `x` (`[tokens, heads, head_dim]`) for each token's position (`[tokens]`, i64).
+    pub fn apply(&self, x: &Tensor, positions: &Tensor) -> Tensor {
+        let (tokens, heads, head_dim) = x.size3().expect("rope input is [tokens, heads, head_dim]");
+        let kind = x.kind();
+        let cos = self.cos.index_select(0, positions).unsqueeze(1);
+        let sin = self.sin.index_select(0, positions).unsqueeze(1);
+        let pairs = x.to_kind(Kind::Float).view([tokens, heads, head_dim / 2, 2]);
+        let even = pairs.select(3, 0);
+        let odd = pairs.select(3, 1);
+        let rotated_even = &even * &cos - &odd * &sin;
+        let rotated_odd = &even * &sin + &odd * &cos;
+        Tensor::stack(&[rotated_even, rotated_odd], 3).view([tokens, heads, head_dim]).to_kind(kind)
+    }
+}
