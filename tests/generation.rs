@@ -38,17 +38,32 @@ async fn greedy_continuations_match_transformers_token_for_token() {
     for (prompt, expected) in prompts.iter().zip(reference["results"].as_array().expect("results")) {
         let expected_prompt: Vec<u32> = serde_json::from_value(expected["prompt_ids"].clone()).expect("ids");
         let expected_output: Vec<u32> = serde_json::from_value(expected["output_ids"].clone()).expect("ids");
-        let response = client.generate(greedy_request(prompt, REFERENCE_TOKENS)).await.expect("generate").into_inner();
+        let response = client
+            .generate(greedy_request(prompt, REFERENCE_TOKENS))
+            .await
+            .expect("generate")
+            .into_inner();
         let usage = response.usage.expect("usage");
-        assert_eq!(usage.prompt_tokens as usize, expected_prompt.len(), "prompt token count for {prompt:?}");
+        assert_eq!(
+            usage.prompt_tokens as usize,
+            expected_prompt.len(),
+            "prompt token count for {prompt:?}"
+        );
         assert_eq!(response.token_ids, expected_output, "greedy tokens for {prompt:?}");
         assert_eq!(usage.completion_tokens, REFERENCE_TOKENS);
         assert_eq!(response.finish_reason(), FinishReason::MaxTokens);
 
         // The same prompt given as token ids gives the same continuation.
-        let by_ids = GenerateRequest { prompt: String::new(), prompt_token_ids: expected_prompt, ..greedy_request("", REFERENCE_TOKENS) };
+        let by_ids = GenerateRequest {
+            prompt: String::new(),
+            prompt_token_ids: expected_prompt,
+            ..greedy_request("", REFERENCE_TOKENS)
+        };
         let response = client.generate(by_ids).await.expect("generate by ids").into_inner();
-        assert_eq!(response.token_ids, expected_output, "greedy tokens from prompt_token_ids for {prompt:?}");
+        assert_eq!(
+            response.token_ids, expected_output,
+            "greedy tokens from prompt_token_ids for {prompt:?}"
+        );
     }
 }
 
@@ -59,11 +74,23 @@ async fn concurrent_requests_give_the_same_tokens_as_each_alone() {
     let mut client = server.client().await;
     let mut alone = Vec::new();
     for prompt in &prompts {
-        alone.push(client.generate(greedy_request(prompt, 24)).await.expect("alone").into_inner().token_ids);
+        alone.push(
+            client
+                .generate(greedy_request(prompt, 24))
+                .await
+                .expect("alone")
+                .into_inner()
+                .token_ids,
+        );
     }
     let together = join_all(prompts.iter().map(|prompt| async move {
         let mut client = server.client().await;
-        client.generate(greedy_request(prompt, 24)).await.expect("together").into_inner().token_ids
+        client
+            .generate(greedy_request(prompt, 24))
+            .await
+            .expect("together")
+            .into_inner()
+            .token_ids
     }))
     .await;
     for ((prompt, alone), together) in prompts.iter().zip(alone).zip(together) {
@@ -75,9 +102,16 @@ async fn concurrent_requests_give_the_same_tokens_as_each_alone() {
 #[tokio::test(flavor = "multi_thread")]
 async fn streamed_deltas_concatenate_to_the_unary_result() {
     let mut client = shared_server().client().await;
-    for prompt in ["Write a haiku about rivers:", "日本の首都は", "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"] {
+    for prompt in [
+        "Write a haiku about rivers:",
+        "日本の首都は",
+        "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n",
+    ] {
         let mut request = greedy_request(prompt, 40);
-        request.stopping = Some(StoppingCriteria { max_new_tokens: Some(40), ignore_eos: false });
+        request.stopping = Some(StoppingCriteria {
+            max_new_tokens: Some(40),
+            ignore_eos: false,
+        });
         let unary = client.generate(request.clone()).await.expect("unary").into_inner();
 
         let mut stream = client.stream_generate(request).await.expect("stream").into_inner();
@@ -94,19 +128,60 @@ async fn streamed_deltas_concatenate_to_the_unary_result() {
         assert_eq!(last.finish_reason(), unary.finish_reason());
         assert_ne!(last.finish_reason(), FinishReason::Unspecified);
         assert_eq!(last.usage, unary.usage);
-        assert!(messages[..messages.len() - 1].iter().all(|m| m.finish_reason() == FinishReason::Unspecified && m.usage.is_none()));
-        assert!(!unary.text.contains('\u{FFFD}'), "half a character reached the client: {:?}", unary.text);
+        assert!(messages[..messages.len() - 1]
+            .iter()
+            .all(|m| m.finish_reason() == FinishReason::Unspecified && m.usage.is_none()));
+        assert!(
+            !unary.text.contains('\u{FFFD}'),
+            "half a character reached the client: {:?}",
+            unary.text
+        );
     }
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_chat_prompt_can_end_on_eos() {
+async fn generation_stops_at_the_models_end_of_sequence_token() {
+    let prompts: Vec<String> = ["What is the capital of France?", "What is 2+2?", "Hi!", "Name a fruit."]
+        .iter()
+        .map(|question| format!("<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"))
+        .collect();
+    let reference = tokio::task::spawn_blocking({
+        let prompts = prompts.clone();
+        move || hf_reference(json!({"task": "greedy", "prompts": prompts, "max_new_tokens": 48}))
+    })
+    .await
+    .expect("reference");
+    let eos: u32 = serde_json::from_value(reference["eos_token_id"].clone()).expect("eos id");
     let mut client = shared_server().client().await;
-    let mut request = greedy_request("<|im_start|>user\nReply with just the word yes.<|im_end|>\n<|im_start|>assistant\n", 64);
-    request.stopping = Some(StoppingCriteria { max_new_tokens: Some(64), ignore_eos: false });
-    let response = client.generate(request).await.expect("generate").into_inner();
-    assert_eq!(response.finish_reason(), FinishReason::EosToken, "{response:?}");
-    assert!(!response.text.contains("<|im_end|>"), "the EOS token's text is not part of the output");
+    let mut stopped_at_eos = 0;
+    for (prompt, expected) in prompts.iter().zip(reference["results"].as_array().expect("results")) {
+        let full: Vec<u32> = serde_json::from_value(expected["output_ids"].clone()).expect("ids");
+        let mut request = greedy_request(prompt, 48);
+        request.stopping = Some(StoppingCriteria {
+            max_new_tokens: Some(48),
+            ignore_eos: false,
+        });
+        let response = client.generate(request).await.expect("generate").into_inner();
+        match full.iter().position(|&t| t == eos) {
+            Some(at) => {
+                stopped_at_eos += 1;
+                assert_eq!(response.token_ids, full[..=at], "output up to EOS for {prompt:?}");
+                assert_eq!(response.finish_reason(), FinishReason::EosToken);
+                assert!(
+                    !response.text.contains("<|im_end|>"),
+                    "the EOS token's text is not part of the output"
+                );
+            }
+            None => {
+                assert_eq!(response.token_ids, full, "output for {prompt:?}");
+                assert_eq!(response.finish_reason(), FinishReason::MaxTokens);
+            }
+        }
+    }
+    assert!(
+        stopped_at_eos > 0,
+        "no prompt reached EOS in the reference; the test proves nothing"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -119,20 +194,45 @@ async fn bad_input_is_invalid_argument_naming_the_field_and_the_server_keeps_ser
         (greedy_request(&long_prompt, 8), "prompt"),
         (greedy_request("Hello", 0), "stopping.max_new_tokens"),
         (greedy_request("Hello", 5000), "stopping.max_new_tokens"),
-        (GenerateRequest { prompt_token_ids: vec![1, 999_999], ..greedy_request("", 8) }, "prompt_token_ids"),
-        (GenerateRequest { prompt_token_ids: vec![1, 2], ..greedy_request("Hello", 8) }, "prompt"),
         (
-            GenerateRequest { sampling: Some(rivulet::proto::SamplingParams { temperature: Some(-1.0) }), ..greedy_request("Hi", 8) },
+            GenerateRequest {
+                prompt_token_ids: vec![1, 999_999],
+                ..greedy_request("", 8)
+            },
+            "prompt_token_ids",
+        ),
+        (
+            GenerateRequest {
+                prompt_token_ids: vec![1, 2],
+                ..greedy_request("Hello", 8)
+            },
+            "prompt",
+        ),
+        (
+            GenerateRequest {
+                sampling: Some(rivulet::proto::SamplingParams {
+                    temperature: Some(-1.0),
+                }),
+                ..greedy_request("Hi", 8)
+            },
             "sampling.temperature",
         ),
     ];
     for (request, field) in cases {
         let status = client.generate(request.clone()).await.expect_err("must be rejected");
         assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-        assert!(status.message().starts_with(field), "message {:?} should name {field}", status.message());
+        assert!(
+            status.message().starts_with(field),
+            "message {:?} should name {field}",
+            status.message()
+        );
         let status = client.stream_generate(request).await.expect_err("must be rejected");
         assert_eq!(status.code(), Code::InvalidArgument);
     }
-    let response = client.generate(greedy_request("Hello", 4)).await.expect("a good request still works").into_inner();
+    let response = client
+        .generate(greedy_request("Hello", 4))
+        .await
+        .expect("a good request still works")
+        .into_inner();
     assert_eq!(response.token_ids.len(), 4);
 }

@@ -83,7 +83,9 @@ impl GgmlType {
     /// Bytes taken by `elements` values, or `None` if they are not whole blocks.
     pub fn byte_len(self, elements: u64) -> Option<u64> {
         let (block_elems, block_bytes) = self.block_layout();
-        (elements % block_elems == 0).then(|| elements / block_elems * block_bytes)
+        elements
+            .is_multiple_of(block_elems)
+            .then(|| elements / block_elems * block_bytes)
     }
 }
 
@@ -93,12 +95,21 @@ pub fn dequantize(ggml_type: GgmlType, data: &[u8], elements: usize) -> Result<V
     debug_assert_eq!(ggml_type.byte_len(elements as u64), Some(data.len() as u64));
     let mut out = Vec::with_capacity(elements);
     match ggml_type {
-        GgmlType::F32 => out.extend(data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
+        GgmlType::F32 => out.extend(
+            data.chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        ),
         GgmlType::F16 => out.extend(data.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())),
         GgmlType::BF16 => out.extend(data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())),
-        GgmlType::Q4_0 => data.chunks_exact(18).for_each(|block| dequantize_block_q4_0(block, &mut out)),
-        GgmlType::Q4_1 => data.chunks_exact(20).for_each(|block| dequantize_block_q4_1(block, &mut out)),
-        GgmlType::Q8_0 => data.chunks_exact(34).for_each(|block| dequantize_block_q8_0(block, &mut out)),
+        GgmlType::Q4_0 => data
+            .chunks_exact(18)
+            .for_each(|block| dequantize_block_q4_0(block, &mut out)),
+        GgmlType::Q4_1 => data
+            .chunks_exact(20)
+            .for_each(|block| dequantize_block_q4_1(block, &mut out)),
+        GgmlType::Q8_0 => data
+            .chunks_exact(34)
+            .for_each(|block| dequantize_block_q8_0(block, &mut out)),
         other => return Err(other),
     }
     Ok(out)

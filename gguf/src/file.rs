@@ -22,17 +22,30 @@ pub enum GgufError {
     #[error("unsupported GGUF version {0} (2 and 3 are supported)")]
     UnsupportedVersion(u32),
     #[error("file truncated while reading {what} at byte {offset} (needs {needed} bytes, file has {len})")]
-    Truncated { what: String, offset: u64, needed: u64, len: u64 },
+    Truncated {
+        what: String,
+        offset: u64,
+        needed: u64,
+        len: u64,
+    },
     #[error("invalid {what}: {detail}")]
     Invalid { what: String, detail: String },
     #[error("metadata key `{0}` is missing")]
     MissingKey(String),
     #[error("metadata key `{key}` has type {actual}, expected {expected}")]
-    WrongType { key: String, expected: &'static str, actual: &'static str },
+    WrongType {
+        key: String,
+        expected: &'static str,
+        actual: &'static str,
+    },
     #[error("tensor `{0}` is missing")]
     MissingTensor(String),
     #[error("tensor `{name}` has type {ggml_type:?}, which cannot be dequantized (supported: {supported})")]
-    UnsupportedType { name: String, ggml_type: GgmlType, supported: &'static str },
+    UnsupportedType {
+        name: String,
+        ggml_type: GgmlType,
+        supported: &'static str,
+    },
 }
 
 /// A metadata value; arrays keep their element values.
@@ -139,13 +152,19 @@ impl std::fmt::Debug for GgufFile {
 
 impl GgufFile {
     pub fn open(path: &std::path::Path) -> Result<Self, GgufError> {
-        let bytes = std::fs::read(path).map_err(|source| GgufError::Io { path: path.display().to_string(), source })?;
+        let bytes = std::fs::read(path).map_err(|source| GgufError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
         Self::parse(bytes)
     }
 
     pub fn parse(bytes: Vec<u8>) -> Result<Self, GgufError> {
         let mut reader = Reader { bytes: &bytes, pos: 0 };
-        let magic: [u8; 4] = reader.take(4, "magic")?.try_into().map_err(|_| invalid("magic", "short"))?;
+        let magic: [u8; 4] = reader
+            .take(4, "magic")?
+            .try_into()
+            .map_err(|_| invalid("magic", "short"))?;
         if &magic != GGUF_MAGIC {
             return Err(GgufError::BadMagic(magic));
         }
@@ -172,23 +191,31 @@ impl GgufFile {
             let name = reader.string("tensor name")?;
             let n_dims = reader.u32(&format!("dims of `{name}`"))?;
             if n_dims == 0 || n_dims > MAX_TENSOR_DIMS {
-                return Err(invalid(&format!("dims of tensor `{name}`"), &format!("{n_dims} dimensions")));
+                return Err(invalid(
+                    &format!("dims of tensor `{name}`"),
+                    &format!("{n_dims} dimensions"),
+                ));
             }
             let mut dims = Vec::with_capacity(n_dims as usize);
             for _ in 0..n_dims {
                 dims.push(reader.u64(&format!("shape of `{name}`"))?);
             }
             let type_id = reader.u32(&format!("type of `{name}`"))?;
-            let ggml_type = GgmlType::from_id(type_id)
-                .ok_or_else(|| invalid(&format!("type of tensor `{name}`"), &format!("unknown ggml type {type_id}")))?;
+            let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| {
+                invalid(
+                    &format!("type of tensor `{name}`"),
+                    &format!("unknown ggml type {type_id}"),
+                )
+            })?;
             let offset = reader.u64(&format!("offset of `{name}`"))?;
             raw_tensors.push((name, dims, ggml_type, offset));
         }
 
         let alignment = match metadata.get("general.alignment") {
-            Some(value) => value.as_u64().filter(|a| *a > 0 && a.is_power_of_two()).ok_or_else(|| {
-                invalid("general.alignment", &format!("{value:?} is not a power of two"))
-            })?,
+            Some(value) => value
+                .as_u64()
+                .filter(|a| *a > 0 && a.is_power_of_two())
+                .ok_or_else(|| invalid("general.alignment", &format!("{value:?} is not a power of two")))?,
             None => DEFAULT_ALIGNMENT,
         };
         let data_start = (reader.pos as u64).next_multiple_of(alignment);
@@ -206,8 +233,11 @@ impl GgufFile {
             let data_offset = data_start
                 .checked_add(offset)
                 .ok_or_else(|| invalid(&format!("offset of tensor `{name}`"), "overflows"))?;
-            if offset % alignment != 0 {
-                return Err(invalid(&format!("offset of tensor `{name}`"), &format!("{offset} is not aligned to {alignment}")));
+            if !offset.is_multiple_of(alignment) {
+                return Err(invalid(
+                    &format!("offset of tensor `{name}`"),
+                    &format!("{offset} is not aligned to {alignment}"),
+                ));
             }
             if data_offset.checked_add(data_len).is_none_or(|end| end > file_len) {
                 return Err(GgufError::Truncated {
@@ -217,9 +247,20 @@ impl GgufFile {
                     len: file_len,
                 });
             }
-            tensors.push(TensorInfo { name, dims, ggml_type, data_offset, data_len });
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ggml_type,
+                data_offset,
+                data_len,
+            });
         }
-        Ok(Self { version, metadata, tensors, bytes })
+        Ok(Self {
+            version,
+            metadata,
+            tensors,
+            bytes,
+        })
     }
 
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
@@ -233,41 +274,63 @@ impl GgufFile {
 
     /// Dequantizes a tensor to `f32`, in GGUF element order (row-major over [`TensorInfo::torch_shape`]).
     pub fn dequantize(&self, name: &str) -> Result<(TensorInfo, Vec<f32>), GgufError> {
-        let info = self.tensor(name).ok_or_else(|| GgufError::MissingTensor(name.to_owned()))?.clone();
-        let values = crate::dequant::dequantize(info.ggml_type, self.tensor_bytes(&info), info.element_count() as usize)
-            .map_err(|ggml_type| GgufError::UnsupportedType {
-                name: name.to_owned(),
-                ggml_type,
-                supported: crate::dequant::SUPPORTED_TYPES,
-            })?;
+        let info = self
+            .tensor(name)
+            .ok_or_else(|| GgufError::MissingTensor(name.to_owned()))?
+            .clone();
+        let values =
+            crate::dequant::dequantize(info.ggml_type, self.tensor_bytes(&info), info.element_count() as usize)
+                .map_err(|ggml_type| GgufError::UnsupportedType {
+                    name: name.to_owned(),
+                    ggml_type,
+                    supported: crate::dequant::SUPPORTED_TYPES,
+                })?;
         Ok((info, values))
     }
 
     pub fn get(&self, key: &str) -> Result<&MetadataValue, GgufError> {
-        self.metadata.get(key).ok_or_else(|| GgufError::MissingKey(key.to_owned()))
+        self.metadata
+            .get(key)
+            .ok_or_else(|| GgufError::MissingKey(key.to_owned()))
     }
 
     pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
         let value = self.get(key)?;
-        value.as_u64().ok_or(GgufError::WrongType { key: key.to_owned(), expected: "integer", actual: value.type_name() })
+        value.as_u64().ok_or(GgufError::WrongType {
+            key: key.to_owned(),
+            expected: "integer",
+            actual: value.type_name(),
+        })
     }
 
     pub fn get_f64(&self, key: &str) -> Result<f64, GgufError> {
         let value = self.get(key)?;
-        value.as_f64().ok_or(GgufError::WrongType { key: key.to_owned(), expected: "number", actual: value.type_name() })
+        value.as_f64().ok_or(GgufError::WrongType {
+            key: key.to_owned(),
+            expected: "number",
+            actual: value.type_name(),
+        })
     }
 
     pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
         match self.get(key)? {
             MetadataValue::String(s) => Ok(s),
-            other => Err(GgufError::WrongType { key: key.to_owned(), expected: "string", actual: other.type_name() }),
+            other => Err(GgufError::WrongType {
+                key: key.to_owned(),
+                expected: "string",
+                actual: other.type_name(),
+            }),
         }
     }
 
     pub fn get_array(&self, key: &str) -> Result<&[MetadataValue], GgufError> {
         match self.get(key)? {
             MetadataValue::Array(items) => Ok(items),
-            other => Err(GgufError::WrongType { key: key.to_owned(), expected: "array", actual: other.type_name() }),
+            other => Err(GgufError::WrongType {
+                key: key.to_owned(),
+                expected: "array",
+                actual: other.type_name(),
+            }),
         }
     }
 
@@ -277,14 +340,21 @@ impl GgufFile {
             .iter()
             .map(|item| match item {
                 MetadataValue::String(s) => Ok(s.as_str()),
-                other => Err(GgufError::WrongType { key: key.to_owned(), expected: "string array", actual: other.type_name() }),
+                other => Err(GgufError::WrongType {
+                    key: key.to_owned(),
+                    expected: "string array",
+                    actual: other.type_name(),
+                }),
             })
             .collect()
     }
 }
 
 fn invalid(what: &str, detail: &str) -> GgufError {
-    GgufError::Invalid { what: what.to_owned(), detail: detail.to_owned() }
+    GgufError::Invalid {
+        what: what.to_owned(),
+        detail: detail.to_owned(),
+    }
 }
 
 struct Reader<'a> {
@@ -311,7 +381,10 @@ impl<'a> Reader<'a> {
     fn ensure_plausible_count(&self, count: u64, min_entry_bytes: u64, what: &str) -> Result<(), GgufError> {
         let remaining = (self.bytes.len() - self.pos) as u64;
         if count.saturating_mul(min_entry_bytes) > remaining {
-            return Err(invalid(what, &format!("{count} entries cannot fit in the {remaining} bytes left")));
+            return Err(invalid(
+                what,
+                &format!("{count} entries cannot fit in the {remaining} bytes left"),
+            ));
         }
         Ok(())
     }
@@ -368,7 +441,12 @@ impl<'a> Reader<'a> {
             10 => MetadataValue::U64(self.u64(key)?),
             11 => MetadataValue::I64(i64::from_le_bytes(self.array(key)?)),
             12 => MetadataValue::F64(f64::from_le_bytes(self.array(key)?)),
-            other => return Err(invalid(&format!("type of `{key}`"), &format!("unknown value type {other}"))),
+            other => {
+                return Err(invalid(
+                    &format!("type of `{key}`"),
+                    &format!("unknown value type {other}"),
+                ))
+            }
         })
     }
 }

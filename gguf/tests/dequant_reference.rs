@@ -33,7 +33,12 @@ fn every_tensor_type_of_the_default_model_matches_the_gguf_package() {
         .expect("python (scripts/setup.sh --test installs it)");
     {
         use std::io::Write;
-        child.stdin.take().expect("stdin").write_all(request.to_string().as_bytes()).expect("write");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(request.to_string().as_bytes())
+            .expect("write");
     }
     let output = child.wait_with_output().expect("reference");
     assert!(output.status.success());
@@ -42,14 +47,25 @@ fn every_tensor_type_of_the_default_model_matches_the_gguf_package() {
     for reference in answer["tensors"].as_array().expect("tensors") {
         let name = reference["name"].as_str().expect("name");
         let bytes = std::fs::read(reference["path"].as_str().expect("path")).expect("reference values");
-        let expected: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let expected: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
         let (info, ours) = file.dequantize(name).expect("dequantize");
         let shape: Vec<i64> = serde_json::from_value(reference["shape"].clone()).expect("shape");
         assert_eq!(info.torch_shape(), shape, "shape of {name}");
         assert_eq!(ours.len(), expected.len(), "{name}");
-        let worst = ours.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let worst = ours
+            .iter()
+            .zip(&expected)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
         // Both compute in f32 from the same f16 scales; allow only rounding-order differences.
-        assert!(worst <= 1e-6, "{name} ({:?}): max abs difference {worst}", info.ggml_type);
+        assert!(
+            worst <= 1e-6,
+            "{name} ({:?}): max abs difference {worst}",
+            info.ggml_type
+        );
     }
     let _ = std::fs::remove_dir_all(out_dir);
 }

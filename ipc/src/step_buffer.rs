@@ -15,13 +15,21 @@ pub enum StepBufferError {
     #[error("shared memory: {0}")]
     SharedMemory(#[from] ShmemError),
     #[error("step buffer `{os_id}` has {actual} bytes, the layout needs {needed}")]
-    TooSmall { os_id: String, actual: usize, needed: usize },
+    TooSmall {
+        os_id: String,
+        actual: usize,
+        needed: usize,
+    },
     #[error("step buffer header is invalid (magic {magic:#x}, version {version})")]
     BadHeader { magic: u32, version: u32 },
     #[error("step {requested} does not match the buffer's step {in_buffer}")]
     StepMismatch { requested: u64, in_buffer: u64 },
     #[error("{what} = {value} exceeds the buffer's capacity {capacity}")]
-    OverCapacity { what: &'static str, value: usize, capacity: usize },
+    OverCapacity {
+        what: &'static str,
+        value: usize,
+        capacity: usize,
+    },
 }
 
 pub struct StepBuffer {
@@ -62,7 +70,10 @@ impl StepBuffer {
         let buffer = Self { shmem, layout };
         let header = buffer.header();
         if header.magic != STEP_MAGIC || header.version != STEP_LAYOUT_VERSION {
-            return Err(StepBufferError::BadHeader { magic: header.magic, version: header.version });
+            return Err(StepBufferError::BadHeader {
+                magic: header.magic,
+                version: header.version,
+            });
         }
         Ok(buffer)
     }
@@ -88,7 +99,10 @@ impl StepBuffer {
     pub fn header_for_step(&self, step: u64) -> Result<StepHeader, StepBufferError> {
         let header = *self.header();
         if header.step != step {
-            return Err(StepBufferError::StepMismatch { requested: step, in_buffer: header.step });
+            return Err(StepBufferError::StepMismatch {
+                requested: step,
+                in_buffer: header.step,
+            });
         }
         let capacity = self.layout.capacity;
         check_capacity("num_tokens", header.num_tokens as usize, capacity.max_tokens as usize)?;
@@ -150,7 +164,12 @@ mod tests {
 
     #[test]
     fn a_second_mapping_sees_the_first_ones_writes() {
-        let capacity = StepCapacity { max_tokens: 8, max_seqs: 2, max_blocks_per_seq: 4, _reserved: 0 };
+        let capacity = StepCapacity {
+            max_tokens: 8,
+            max_seqs: 2,
+            max_blocks_per_seq: 4,
+            _reserved: 0,
+        };
         let mut owner = StepBuffer::create(capacity).expect("create");
         let layout = *owner.layout();
         owner.header_mut().step = 7;
@@ -162,6 +181,9 @@ mod tests {
         assert_eq!(&peer.i64_array(layout.input_ids)[..3], &[11, 22, 33]);
         peer.i64_array_mut(layout.sampled_tokens)[0] = 99;
         assert_eq!(owner.i64_array(layout.sampled_tokens)[0], 99);
-        assert!(matches!(peer.header_for_step(8), Err(StepBufferError::StepMismatch { .. })));
+        assert!(matches!(
+            peer.header_for_step(8),
+            Err(StepBufferError::StepMismatch { .. })
+        ));
     }
 }

@@ -11,7 +11,11 @@ pub struct BlockManager {
 impl BlockManager {
     pub fn new(total: u32, block_size: u32) -> Self {
         // Reversed so that low block ids are handed out first (easier to read in logs).
-        Self { free: (0..total).rev().collect(), total, block_size }
+        Self {
+            free: (0..total).rev().collect(),
+            total,
+            block_size,
+        }
     }
 
     pub fn block_size(&self) -> u32 {

@@ -32,7 +32,10 @@ mod tests {
         let request = GenerationRequest {
             prompt_ids: vec![5, 6],
             sampling: SamplingParams { temperature: 0.0 },
-            stopping: StoppingParams { max_new_tokens, ignore_eos },
+            stopping: StoppingParams {
+                max_new_tokens,
+                ignore_eos,
+            },
         };
         let mut seq = Sequence::new(1, request, tx);
         seq.tokens.extend_from_slice(generated);
@@ -42,11 +45,20 @@ mod tests {
     #[test]
     fn reasons_in_priority_order() {
         assert_eq!(check_completion(&sequence(4, false, &[9]), &[2], 100), None);
-        assert_eq!(check_completion(&sequence(4, false, &[9, 2]), &[2], 100), Some(FinishReason::EosToken));
+        assert_eq!(
+            check_completion(&sequence(4, false, &[9, 2]), &[2], 100),
+            Some(FinishReason::EosToken)
+        );
         assert_eq!(check_completion(&sequence(4, true, &[9, 2]), &[2], 100), None);
         // Max tokens wins over EOS on the same token.
-        assert_eq!(check_completion(&sequence(2, false, &[9, 2]), &[2], 100), Some(FinishReason::MaxTokens));
-        assert_eq!(check_completion(&sequence(10, false, &[9, 9]), &[2], 4), Some(FinishReason::Length));
+        assert_eq!(
+            check_completion(&sequence(2, false, &[9, 2]), &[2], 100),
+            Some(FinishReason::MaxTokens)
+        );
+        assert_eq!(
+            check_completion(&sequence(10, false, &[9, 9]), &[2], 4),
+            Some(FinishReason::Length)
+        );
         // An EOS in the prompt is not a finish.
         assert_eq!(check_completion(&sequence(4, false, &[]), &[6], 100), None);
     }

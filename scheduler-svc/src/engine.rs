@@ -17,7 +17,7 @@ use crate::config::Config;
 use crate::request::{EngineError, FinishReason, GenerationRequest, SequenceEvent, Usage};
 use crate::scheduler::{FcfsScheduler, SchedulerLimits, StepPlan};
 use crate::sequence::{Sequence, SequenceId};
-use crate::step_writer::StepWriter;
+use crate::step_writer::write_step;
 use crate::tokenizer::ModelTokenizer;
 use crate::worker_client::{WorkerClient, WorkerClientError};
 
@@ -41,7 +41,10 @@ pub struct EngineInfo {
 }
 
 enum EngineCommand {
-    Submit { request: GenerationRequest, events: UnboundedSender<SequenceEvent> },
+    Submit {
+        request: GenerationRequest,
+        events: UnboundedSender<SequenceEvent>,
+    },
 }
 
 /// A cheap, cloneable handle to the engine loop.
@@ -56,24 +59,40 @@ impl EngineHandle {
     /// receiver cancels the request at the next iteration.
     pub fn submit(&self, request: GenerationRequest) -> Result<UnboundedReceiver<SequenceEvent>, EngineError> {
         let (events, receiver) = mpsc::unbounded_channel();
-        self.commands.send(EngineCommand::Submit { request, events }).map_err(|_| EngineError::ShuttingDown)?;
+        self.commands
+            .send(EngineCommand::Submit { request, events })
+            .map_err(|_| EngineError::ShuttingDown)?;
         Ok(receiver)
     }
 }
 
 /// Starts the worker (waiting for it to be ready) and the engine thread. The thread ends when
 /// every [`EngineHandle`] is dropped, after finishing the requests it holds.
-pub fn start(config: Config, tokenizer: Arc<ModelTokenizer>) -> Result<(EngineHandle, JoinHandle<()>), EngineStartError> {
+pub fn start(
+    config: Config,
+    tokenizer: Arc<ModelTokenizer>,
+) -> Result<(EngineHandle, JoinHandle<()>), EngineStartError> {
     let worker = WorkerClient::spawn(&config)?;
     let ready = worker.ready().clone();
     if ready.model.vocab_size != tokenizer.vocab_size() {
-        return Err(EngineStartError::VocabularyMismatch { worker: ready.model.vocab_size, tokenizer: tokenizer.vocab_size() });
+        return Err(EngineStartError::VocabularyMismatch {
+            worker: ready.model.vocab_size,
+            tokenizer: tokenizer.vocab_size(),
+        });
     }
     tracing::info!(?ready, "worker ready");
     let (commands, command_rx) = mpsc::unbounded_channel();
     let engine = Engine::new(config, worker, tokenizer, command_rx);
-    let thread = std::thread::Builder::new().name("engine".to_owned()).spawn(move || engine.run())?;
-    Ok((EngineHandle { commands, info: Arc::new(EngineInfo { ready }) }, thread))
+    let thread = std::thread::Builder::new()
+        .name("engine".to_owned())
+        .spawn(move || engine.run())?;
+    Ok((
+        EngineHandle {
+            commands,
+            info: Arc::new(EngineInfo { ready }),
+        },
+        thread,
+    ))
 }
 
 struct Engine {
@@ -90,11 +109,15 @@ struct Engine {
     commands_open: bool,
     next_id: SequenceId,
     step: u64,
-    writer: StepWriter,
 }
 
 impl Engine {
-    fn new(config: Config, worker: WorkerClient, tokenizer: Arc<ModelTokenizer>, commands: UnboundedReceiver<EngineCommand>) -> Self {
+    fn new(
+        config: Config,
+        worker: WorkerClient,
+        tokenizer: Arc<ModelTokenizer>,
+        commands: UnboundedReceiver<EngineCommand>,
+    ) -> Self {
         let ready = worker.ready().clone();
         let scheduler = FcfsScheduler::new(SchedulerLimits {
             max_num_seqs: config.scheduler.max_num_seqs as usize,
@@ -102,7 +125,6 @@ impl Engine {
         });
         Self {
             blocks: BlockManager::new(ready.num_blocks, ready.block_size),
-            writer: StepWriter::default(),
             worker: Some(worker),
             last_restart: Instant::now(),
             ready,
@@ -192,7 +214,9 @@ impl Engine {
     }
 
     fn iterate(&mut self) {
-        let plan = self.scheduler.plan(&mut self.running, &mut self.waiting, &mut self.blocks);
+        let plan = self
+            .scheduler
+            .plan(&mut self.running, &mut self.waiting, &mut self.blocks);
         if plan.seqs.is_empty() {
             // Nothing fits even alone: validation makes this unreachable, but never spin on it.
             if let Some(seq) = self.waiting.pop_front() {
@@ -204,7 +228,13 @@ impl Engine {
         }
         self.step += 1;
         let Some(worker) = self.worker.as_mut() else { return };
-        self.writer.write(worker.buffer_mut(), self.step, &plan, &self.running, self.blocks.block_size());
+        write_step(
+            worker.buffer_mut(),
+            self.step,
+            &plan,
+            &self.running,
+            self.blocks.block_size(),
+        );
         match worker.run_step(self.step) {
             Ok(_timing) => self.apply_outputs(&plan),
             Err(error) => self.on_worker_failure(error),
@@ -228,12 +258,17 @@ impl Engine {
             let text = match seq.detokenizer.push(&self.tokenizer, token) {
                 Ok(text) => text,
                 Err(error) => {
-                    let _ = seq.events.send(SequenceEvent::Failed(EngineError::Detokenize(error.to_string())));
+                    let _ = seq
+                        .events
+                        .send(SequenceEvent::Failed(EngineError::Detokenize(error.to_string())));
                     finished.push((scheduled.running_index, FinishReason::Cancelled));
                     continue;
                 }
             };
-            let _ = seq.events.send(SequenceEvent::Tokens { token_ids: vec![token], text });
+            let _ = seq.events.send(SequenceEvent::Tokens {
+                token_ids: vec![token],
+                text,
+            });
             if let Some(reason) = check_completion(seq, &self.ready.eos_token_ids, max_model_len) {
                 finished.push((scheduled.running_index, reason));
             }
@@ -244,7 +279,10 @@ impl Engine {
             let mut seq = self.running.remove(index);
             self.blocks.release(&mut seq.blocks);
             let text = seq.detokenizer.flush(&self.tokenizer).unwrap_or_default();
-            let usage = Usage { prompt_tokens: seq.prompt_len() as u32, completion_tokens: seq.num_generated() as u32 };
+            let usage = Usage {
+                prompt_tokens: seq.prompt_len() as u32,
+                completion_tokens: seq.num_generated() as u32,
+            };
             let _ = seq.events.send(SequenceEvent::Finished { reason, text, usage });
         }
     }
@@ -256,7 +294,9 @@ impl Engine {
         let message = error.to_string();
         for mut seq in self.running.drain(..) {
             self.blocks.release(&mut seq.blocks);
-            let _ = seq.events.send(SequenceEvent::Failed(EngineError::WorkerUnavailable(message.clone())));
+            let _ = seq
+                .events
+                .send(SequenceEvent::Failed(EngineError::WorkerUnavailable(message.clone())));
         }
         for seq in self.waiting.iter_mut() {
             self.blocks.release(&mut seq.blocks);
@@ -275,7 +315,10 @@ impl Engine {
         }
         self.last_restart = Instant::now();
         match WorkerClient::spawn(&self.config) {
-            Ok(worker) if worker.ready().num_blocks == self.ready.num_blocks && worker.ready().block_size == self.ready.block_size => {
+            Ok(worker)
+                if worker.ready().num_blocks == self.ready.num_blocks
+                    && worker.ready().block_size == self.ready.block_size =>
+            {
                 tracing::info!("worker restarted");
                 self.worker = Some(worker);
                 true

@@ -43,7 +43,11 @@ pub enum SequenceEvent {
     /// New tokens and the text they complete (possibly empty while a character is incomplete).
     Tokens { token_ids: Vec<u32>, text: String },
     /// The last event of a request that completed.
-    Finished { reason: FinishReason, text: String, usage: Usage },
+    Finished {
+        reason: FinishReason,
+        text: String,
+        usage: Usage,
+    },
     /// The last event of a request that could not complete.
     Failed(EngineError),
 }
@@ -69,6 +73,9 @@ pub struct InvalidRequest {
 
 impl InvalidRequest {
     pub fn new(field: &'static str, problem: impl Into<String>) -> Self {
-        Self { field, problem: problem.into() }
+        Self {
+            field,
+            problem: problem.into(),
+        }
     }
 }

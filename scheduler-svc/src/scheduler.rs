@@ -47,7 +47,12 @@ impl FcfsScheduler {
 
     /// Plans the next step, allocating the blocks it needs. Moves admitted sequences from
     /// `waiting` to the end of `running`, and preempted ones from `running` to `waiting`.
-    pub fn plan(&self, running: &mut Vec<Sequence>, waiting: &mut VecDeque<Sequence>, blocks: &mut BlockManager) -> StepPlan {
+    pub fn plan(
+        &self,
+        running: &mut Vec<Sequence>,
+        waiting: &mut VecDeque<Sequence>,
+        blocks: &mut BlockManager,
+    ) -> StepPlan {
         let mut plan = StepPlan::default();
         let mut budget = self.limits.max_num_batched_tokens;
         let mut index = 0;
@@ -115,14 +120,20 @@ impl FcfsScheduler {
 impl StepPlan {
     fn push(&mut self, running_index: usize, num_tokens: usize, seq: &Sequence) {
         let sample = seq.num_computed + num_tokens == seq.tokens.len();
-        self.seqs.push(ScheduledSeq { running_index, num_tokens, sample });
+        self.seqs.push(ScheduledSeq {
+            running_index,
+            num_tokens,
+            sample,
+        });
         self.num_tokens += num_tokens;
     }
 }
 
 /// Gives `seq` the blocks to hold `num_tokens` more tokens; false (and nothing taken) if too few.
 fn grow(seq: &mut Sequence, num_tokens: usize, blocks: &mut BlockManager) -> bool {
-    let needed = blocks.blocks_for(seq.num_computed + num_tokens).saturating_sub(seq.blocks.len() as u32);
+    let needed = blocks
+        .blocks_for(seq.num_computed + num_tokens)
+        .saturating_sub(seq.blocks.len() as u32);
     if needed == 0 {
         return true;
     }
@@ -153,7 +164,10 @@ mod tests {
         let request = GenerationRequest {
             prompt_ids: vec![1; prompt_len],
             sampling: SamplingParams { temperature: 0.0 },
-            stopping: StoppingParams { max_new_tokens: 8, ignore_eos: false },
+            stopping: StoppingParams {
+                max_new_tokens: 8,
+                ignore_eos: false,
+            },
         };
         (Sequence::new(id, request, tx), rx)
     }
@@ -170,7 +184,10 @@ mod tests {
 
     #[test]
     fn long_prompts_are_chunked_under_the_token_budget_beside_decodes() {
-        let scheduler = FcfsScheduler::new(SchedulerLimits { max_num_seqs: 4, max_num_batched_tokens: 10 });
+        let scheduler = FcfsScheduler::new(SchedulerLimits {
+            max_num_seqs: 4,
+            max_num_batched_tokens: 10,
+        });
         let mut blocks = BlockManager::new(100, 4);
         let (short, _a) = seq(1, 3);
         let (long, _b) = seq(2, 25);
@@ -178,21 +195,33 @@ mod tests {
         let mut waiting = VecDeque::from([short, long]);
 
         let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
-        assert_eq!(plan.seqs.iter().map(|s| (s.num_tokens, s.sample)).collect::<Vec<_>>(), vec![(3, true), (7, false)]);
+        assert_eq!(
+            plan.seqs.iter().map(|s| (s.num_tokens, s.sample)).collect::<Vec<_>>(),
+            vec![(3, true), (7, false)]
+        );
         finish_step(&mut running, &plan);
 
         let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
-        assert_eq!(plan.seqs.iter().map(|s| (s.num_tokens, s.sample)).collect::<Vec<_>>(), vec![(1, true), (9, false)]);
+        assert_eq!(
+            plan.seqs.iter().map(|s| (s.num_tokens, s.sample)).collect::<Vec<_>>(),
+            vec![(1, true), (9, false)]
+        );
         finish_step(&mut running, &plan);
 
         let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
-        assert_eq!(plan.seqs.iter().map(|s| (s.num_tokens, s.sample)).collect::<Vec<_>>(), vec![(1, true), (9, true)]);
+        assert_eq!(
+            plan.seqs.iter().map(|s| (s.num_tokens, s.sample)).collect::<Vec<_>>(),
+            vec![(1, true), (9, true)]
+        );
         assert_eq!(running[1].blocks.len(), 7, "25 tokens in 4-token blocks");
     }
 
     #[test]
     fn a_sequence_that_needs_a_block_preempts_the_newest_and_blocks_return() {
-        let scheduler = FcfsScheduler::new(SchedulerLimits { max_num_seqs: 4, max_num_batched_tokens: 64 });
+        let scheduler = FcfsScheduler::new(SchedulerLimits {
+            max_num_seqs: 4,
+            max_num_batched_tokens: 64,
+        });
         let mut blocks = BlockManager::new(4, 4);
         let (a, _a) = seq(1, 4);
         let (b, _b) = seq(2, 4);
@@ -213,14 +242,20 @@ mod tests {
         let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
         assert_eq!(plan.preempted, 1);
         assert_eq!(running.len(), 1);
-        assert_eq!(waiting.front().map(|s| (s.id, s.num_computed, s.blocks.len())), Some((2, 0, 0)));
+        assert_eq!(
+            waiting.front().map(|s| (s.id, s.num_computed, s.blocks.len())),
+            Some((2, 0, 0))
+        );
         let in_use: usize = running.iter().map(|s| s.blocks.len()).sum();
         assert_eq!(in_use + blocks.num_free() as usize, 4, "no block leaked");
     }
 
     #[test]
     fn admission_respects_the_sequence_limit_in_arrival_order() {
-        let scheduler = FcfsScheduler::new(SchedulerLimits { max_num_seqs: 2, max_num_batched_tokens: 64 });
+        let scheduler = FcfsScheduler::new(SchedulerLimits {
+            max_num_seqs: 2,
+            max_num_batched_tokens: 64,
+        });
         let mut blocks = BlockManager::new(100, 4);
         let mut waiting: VecDeque<Sequence> = (1..=3).map(|id| seq(id, 2).0).collect();
         let mut running = Vec::new();

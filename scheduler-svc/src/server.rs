@@ -21,10 +21,13 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
     let engine_config = config.clone();
     let engine_tokenizer = tokenizer.clone();
-    let (engine, engine_thread) = tokio::task::spawn_blocking(move || engine::start(engine_config, engine_tokenizer)).await??;
+    let (engine, engine_thread) =
+        tokio::task::spawn_blocking(move || engine::start(engine_config, engine_tokenizer)).await??;
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<proto::generation_server::GenerationServer<GenerationService>>().await;
+    health_reporter
+        .set_serving::<proto::generation_server::GenerationServer<GenerationService>>()
+        .await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -46,7 +49,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
     tracing::info!("server stopped; waiting for the engine to finish");
     // The service (and its engine handle) is gone, so the engine drains and stops the worker.
-    tokio::task::spawn_blocking(move || engine_thread.join()).await?.map_err(|_| anyhow::anyhow!("engine thread panicked"))?;
+    tokio::task::spawn_blocking(move || engine_thread.join())
+        .await?
+        .map_err(|_| anyhow::anyhow!("engine thread panicked"))?;
     Ok(())
 }
 

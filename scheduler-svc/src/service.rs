@@ -24,7 +24,11 @@ pub struct GenerationService {
 
 impl GenerationService {
     pub fn new(engine: EngineHandle, tokenizer: Arc<ModelTokenizer>, default_max_new_tokens: u32) -> Self {
-        Self { engine, tokenizer, default_max_new_tokens }
+        Self {
+            engine,
+            tokenizer,
+            default_max_new_tokens,
+        }
     }
 
     /// Validates and tokenizes a request; every error names the offending field.
@@ -32,10 +36,23 @@ impl GenerationService {
         let ready = &self.engine.info.ready;
         let max_model_len = ready.max_model_len as usize;
         let prompt_ids = match (request.prompt.is_empty(), request.prompt_token_ids.is_empty()) {
-            (false, false) => return Err(InvalidRequest::new("prompt", "set either prompt or prompt_token_ids, not both")),
-            (true, true) => return Err(InvalidRequest::new("prompt", "must not be empty (set prompt or prompt_token_ids)")),
+            (false, false) => {
+                return Err(InvalidRequest::new(
+                    "prompt",
+                    "set either prompt or prompt_token_ids, not both",
+                ))
+            }
+            (true, true) => {
+                return Err(InvalidRequest::new(
+                    "prompt",
+                    "must not be empty (set prompt or prompt_token_ids)",
+                ))
+            }
             (false, true) => {
-                let ids = self.tokenizer.encode(&request.prompt).map_err(|e| InvalidRequest::new("prompt", e.to_string()))?;
+                let ids = self
+                    .tokenizer
+                    .encode(&request.prompt)
+                    .map_err(|e| InvalidRequest::new("prompt", e.to_string()))?;
                 if ids.is_empty() {
                     return Err(InvalidRequest::new("prompt", "tokenizes to no tokens"));
                 }
@@ -52,18 +69,28 @@ impl GenerationService {
                 request.prompt_token_ids
             }
         };
-        let prompt_field = if request.prompt.is_empty() { "prompt_token_ids" } else { "prompt" };
+        let prompt_field = if request.prompt.is_empty() {
+            "prompt_token_ids"
+        } else {
+            "prompt"
+        };
         if prompt_ids.len() >= max_model_len {
             return Err(InvalidRequest::new(
                 prompt_field,
-                format!("{} tokens leave no room in the model's context of {max_model_len} tokens", prompt_ids.len()),
+                format!(
+                    "{} tokens leave no room in the model's context of {max_model_len} tokens",
+                    prompt_ids.len()
+                ),
             ));
         }
 
         let sampling = request.sampling.unwrap_or_default();
         let temperature = sampling.temperature.unwrap_or(0.0);
         if !temperature.is_finite() || temperature < 0.0 {
-            return Err(InvalidRequest::new("sampling.temperature", format!("{temperature} must be a finite number >= 0")));
+            return Err(InvalidRequest::new(
+                "sampling.temperature",
+                format!("{temperature} must be a finite number >= 0"),
+            ));
         }
 
         let stopping = request.stopping.unwrap_or_default();
@@ -91,11 +118,17 @@ impl GenerationService {
         Ok(GenerationRequest {
             prompt_ids,
             sampling: SamplingParams { temperature },
-            stopping: StoppingParams { max_new_tokens, ignore_eos: stopping.ignore_eos },
+            stopping: StoppingParams {
+                max_new_tokens,
+                ignore_eos: stopping.ignore_eos,
+            },
         })
     }
 
-    fn submit(&self, request: proto::GenerateRequest) -> Result<tokio::sync::mpsc::UnboundedReceiver<SequenceEvent>, Status> {
+    fn submit(
+        &self,
+        request: proto::GenerateRequest,
+    ) -> Result<tokio::sync::mpsc::UnboundedReceiver<SequenceEvent>, Status> {
         let request = self.to_domain(request).map_err(invalid_argument)?;
         self.engine.submit(request).map_err(engine_status)
     }
@@ -105,7 +138,10 @@ type EventStream = Pin<Box<dyn Stream<Item = Result<proto::GenerateStreamRespons
 
 #[tonic::async_trait]
 impl Generation for GenerationService {
-    async fn generate(&self, request: Request<proto::GenerateRequest>) -> Result<Response<proto::GenerateResponse>, Status> {
+    async fn generate(
+        &self,
+        request: Request<proto::GenerateRequest>,
+    ) -> Result<Response<proto::GenerateResponse>, Status> {
         let mut events = self.submit(request.into_inner())?;
         let mut response = proto::GenerateResponse::default();
         while let Some(event) = events.recv().await {
@@ -133,7 +169,11 @@ impl Generation for GenerationService {
         // Dropping this stream (the client went away) drops the receiver, which cancels the
         // request at the engine's next iteration.
         let stream = UnboundedReceiverStream::new(events).map(|event| match event {
-            SequenceEvent::Tokens { token_ids, text } => Ok(proto::GenerateStreamResponse { text, token_ids, ..Default::default() }),
+            SequenceEvent::Tokens { token_ids, text } => Ok(proto::GenerateStreamResponse {
+                text,
+                token_ids,
+                ..Default::default()
+            }),
             SequenceEvent::Finished { reason, text, usage } => Ok(proto::GenerateStreamResponse {
                 text,
                 token_ids: Vec::new(),
@@ -167,5 +207,8 @@ fn proto_reason(reason: FinishReason) -> proto::FinishReason {
 }
 
 fn proto_usage(usage: Usage) -> proto::Usage {
-    proto::Usage { prompt_tokens: usage.prompt_tokens, completion_tokens: usage.completion_tokens }
+    proto::Usage {
+        prompt_tokens: usage.prompt_tokens,
+        completion_tokens: usage.completion_tokens,
+    }
 }

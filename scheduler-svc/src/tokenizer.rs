@@ -46,8 +46,12 @@ impl ModelTokenizer {
             Err(_) => vec![1; tokens.len()],
         };
         let spec = tokenizer_json(&tokens, &merges, &token_types, pre);
-        let inner = Tokenizer::from_bytes(spec.to_string().as_bytes()).map_err(|e| TokenizerError::Build(e.to_string()))?;
-        Ok(Self { inner, vocab_size: tokens.len() as u32 })
+        let inner =
+            Tokenizer::from_bytes(spec.to_string().as_bytes()).map_err(|e| TokenizerError::Build(e.to_string()))?;
+        Ok(Self {
+            inner,
+            vocab_size: tokens.len() as u32,
+        })
     }
 
     pub fn vocab_size(&self) -> u32 {
@@ -56,13 +60,18 @@ impl ModelTokenizer {
 
     /// Token ids of `text`; special tokens written in the text (e.g. `<|im_start|>`) are matched.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let encoding = self.inner.encode(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
     }
 
     /// Text of `ids`, without control tokens (EOS and the like).
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
-        self.inner.decode(ids, true).map_err(|e| TokenizerError::Encode(e.to_string()))
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))
     }
 }
 
@@ -79,8 +88,11 @@ fn pre_tokenizer(pre: &str) -> Value {
 
 /// A `tokenizer.json` document equivalent to Hugging Face's for a GPT-2-style BPE vocabulary.
 fn tokenizer_json(tokens: &[&str], merges: &[&str], token_types: &[i64], pre: &str) -> Value {
-    let vocab: serde_json::Map<String, Value> =
-        tokens.iter().enumerate().map(|(id, token)| ((*token).to_owned(), json!(id))).collect();
+    let vocab: serde_json::Map<String, Value> = tokens
+        .iter()
+        .enumerate()
+        .map(|(id, token)| ((*token).to_owned(), json!(id)))
+        .collect();
     let added_tokens: Vec<Value> = tokens
         .iter()
         .zip(token_types)

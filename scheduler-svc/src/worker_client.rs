@@ -56,7 +56,8 @@ pub struct StepTiming {
 impl WorkerClient {
     pub fn spawn(config: &Config) -> Result<Self, WorkerClientError> {
         let binary = worker_binary(config);
-        let (server, server_name) = IpcOneShotServer::<Bootstrap>::new().map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
+        let (server, server_name) =
+            IpcOneShotServer::<Bootstrap>::new().map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
         let mut command = Command::new(&binary);
         command
             .arg("--ipc-server")
@@ -75,7 +76,10 @@ impl WorkerClient {
         if let Some(threads) = config.worker.threads {
             command.arg("--threads").arg(threads.to_string());
         }
-        let mut child = command.spawn().map_err(|source| WorkerClientError::Spawn { binary: binary.display().to_string(), source })?;
+        let mut child = command.spawn().map_err(|source| WorkerClientError::Spawn {
+            binary: binary.display().to_string(),
+            source,
+        })?;
         let startup_timeout = Duration::from_secs(config.worker.startup_timeout_secs);
 
         // `accept` blocks until the worker connects; run it aside so a worker that dies first
@@ -98,8 +102,15 @@ impl WorkerClient {
         let Bootstrap { commands, events } = bootstrap;
         let ready = match recv_event(&mut child, &events, deadline, startup_timeout)? {
             WorkerEvent::Ready(ready) => ready,
-            WorkerEvent::Failed { message, .. } => return Err(fail_start(&mut child, WorkerClientError::Failed(message))),
-            other => return Err(fail_start(&mut child, WorkerClientError::Protocol(format!("{other:?}")))),
+            WorkerEvent::Failed { message, .. } => {
+                return Err(fail_start(&mut child, WorkerClientError::Failed(message)))
+            }
+            other => {
+                return Err(fail_start(
+                    &mut child,
+                    WorkerClientError::Protocol(format!("{other:?}")),
+                ))
+            }
         };
 
         let capacity = StepCapacity {
@@ -110,14 +121,31 @@ impl WorkerClient {
         };
         let buffer = StepBuffer::create(capacity)?;
         commands
-            .send(WorkerCommand::AttachStepBuffer { os_id: buffer.os_id().to_owned(), capacity })
+            .send(WorkerCommand::AttachStepBuffer {
+                os_id: buffer.os_id().to_owned(),
+                capacity,
+            })
             .map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
         match recv_event(&mut child, &events, deadline, startup_timeout)? {
             WorkerEvent::StepBufferAttached => {}
-            WorkerEvent::Failed { message, .. } => return Err(fail_start(&mut child, WorkerClientError::Failed(message))),
-            other => return Err(fail_start(&mut child, WorkerClientError::Protocol(format!("{other:?}")))),
+            WorkerEvent::Failed { message, .. } => {
+                return Err(fail_start(&mut child, WorkerClientError::Failed(message)))
+            }
+            other => {
+                return Err(fail_start(
+                    &mut child,
+                    WorkerClientError::Protocol(format!("{other:?}")),
+                ))
+            }
         }
-        Ok(Self { child, commands, events, buffer, ready, step_timeout: Duration::from_secs(config.worker.step_timeout_secs) })
+        Ok(Self {
+            child,
+            commands,
+            events,
+            buffer,
+            ready,
+            step_timeout: Duration::from_secs(config.worker.step_timeout_secs),
+        })
     }
 
     pub fn ready(&self) -> &ReadyInfo {
@@ -134,14 +162,21 @@ impl WorkerClient {
 
     /// Runs the step whose inputs are in the buffer; on success its outputs are there too.
     pub fn run_step(&mut self, step: u64) -> Result<StepTiming, WorkerClientError> {
-        self.commands.send(WorkerCommand::Step { step }).map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
+        self.commands
+            .send(WorkerCommand::Step { step })
+            .map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
         let deadline = Instant::now() + self.step_timeout;
         match recv_event(&mut self.child, &self.events, deadline, self.step_timeout)? {
-            WorkerEvent::StepDone { step: done, forward_micros } if done == step => {
-                Ok(StepTiming { worker: Duration::from_micros(forward_micros) })
-            }
+            WorkerEvent::StepDone {
+                step: done,
+                forward_micros,
+            } if done == step => Ok(StepTiming {
+                worker: Duration::from_micros(forward_micros),
+            }),
             WorkerEvent::Failed { message, .. } => Err(WorkerClientError::Failed(message)),
-            other => Err(WorkerClientError::Protocol(format!("{other:?} in answer to step {step}"))),
+            other => Err(WorkerClientError::Protocol(format!(
+                "{other:?} in answer to step {step}"
+            ))),
         }
     }
 }
@@ -181,7 +216,11 @@ fn recv_event(
             Ok(event) => return Ok(event),
             Err(TryRecvError::Empty) => check_alive(child, deadline, timeout)?,
             Err(TryRecvError::IpcError(error)) => {
-                let status = child.try_wait().ok().flatten().map_or_else(|| format!("{error:?}"), |s| s.to_string());
+                let status = child
+                    .try_wait()
+                    .ok()
+                    .flatten()
+                    .map_or_else(|| format!("{error:?}"), |s| s.to_string());
                 return Err(WorkerClientError::Exited(status));
             }
         }

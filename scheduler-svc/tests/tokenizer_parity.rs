@@ -50,7 +50,12 @@ fn token_ids_equal_hugging_face_on_a_varied_corpus() {
         .expect("python (scripts/setup.sh --test installs it)");
     {
         use std::io::Write;
-        child.stdin.take().expect("stdin").write_all(request.to_string().as_bytes()).expect("write");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(request.to_string().as_bytes())
+            .expect("write");
     }
     let output = child.wait_with_output().expect("reference");
     assert!(output.status.success());

@@ -22,7 +22,9 @@ pub fn model_path() -> PathBuf {
 }
 
 fn binary(name: &str) -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"));
     target.join("release").join(name)
 }
 
@@ -36,11 +38,18 @@ impl TestServer {
     /// Starts the server with test-sized defaults plus `env` overrides (`RIVULET_*` variables).
     pub fn start(env: &[(&str, &str)]) -> Self {
         let scheduler = binary("rivulet-scheduler");
-        assert!(scheduler.exists(), "{} is missing: run `cargo build --release --bins` (scripts/test.sh does)", scheduler.display());
+        assert!(
+            scheduler.exists(),
+            "{} is missing: run `cargo build --release --bins` (scripts/test.sh does)",
+            scheduler.display()
+        );
         let mut command = Command::new(&scheduler);
         command
             .current_dir(root())
-            .env("RUST_LOG", std::env::var("RIVULET_TEST_LOG").unwrap_or_else(|_| "warn".to_owned()))
+            .env(
+                "RUST_LOG",
+                std::env::var("RIVULET_TEST_LOG").unwrap_or_else(|_| "warn".to_owned()),
+            )
             .env("RIVULET_CONFIG", "/nonexistent/rivulet.toml")
             .env("RIVULET_SERVER__LISTEN", "127.0.0.1:0")
             .env("RIVULET_MODEL__PATH", model_path())
@@ -76,12 +85,17 @@ impl TestServer {
     }
 
     pub async fn client(&self) -> GenerationClient<Channel> {
-        GenerationClient::connect(format!("http://{}", self.address)).await.expect("connect")
+        GenerationClient::connect(format!("http://{}", self.address))
+            .await
+            .expect("connect")
     }
 
     /// Sends SIGTERM and waits for the process to exit.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
-        let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status();
         for _ in 0..300 {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return status;
@@ -123,7 +137,10 @@ pub fn greedy_request(prompt: &str, max_new_tokens: u32) -> GenerateRequest {
     GenerateRequest {
         prompt: prompt.to_owned(),
         sampling: Some(SamplingParams { temperature: Some(0.0) }),
-        stopping: Some(StoppingCriteria { max_new_tokens: Some(max_new_tokens), ignore_eos: true }),
+        stopping: Some(StoppingCriteria {
+            max_new_tokens: Some(max_new_tokens),
+            ignore_eos: true,
+        }),
         ..Default::default()
     }
 }

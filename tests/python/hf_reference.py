@@ -2,7 +2,7 @@
 
 Reads a JSON request on stdin and writes a JSON answer on stdout:
   {"task": "greedy", "prompts": [...], "max_new_tokens": N}
-      -> {"results": [{"prompt_ids": [...], "output_ids": [...]}, ...]}
+      -> {"results": [{"prompt_ids": [...], "output_ids": [...]}, ...], "eos_token_id": N}
   {"task": "tokenize", "texts": [...]} -> {"ids": [[...], ...]}
   {"task": "dequantize", "tensors": [...], "out_dir": "..."}
       -> {"tensors": [{"name", "type", "shape", "path"}]}; each path holds little-endian f32 values,
@@ -46,7 +46,7 @@ def greedy(model_path, prompts, max_new_tokens):
                 out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
                 past = out.past_key_values
             results.append({"prompt_ids": ids, "output_ids": generated})
-    return {"results": results}
+    return {"results": results, "eos_token_id": tokenizer.eos_token_id}
 
 
 def tokenize(model_path, texts):

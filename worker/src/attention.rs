@@ -47,7 +47,8 @@ impl AttentionPlan {
     pub fn new(seqs: &[SeqSlice], block_tables: &Tensor, block_size: i64, head_dim: usize, device: Device) -> Self {
         let decode_rows: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].num_tokens == 1).collect();
         let decode = (!decode_rows.is_empty()).then(|| {
-            let seq_index = Tensor::from_slice(&decode_rows.iter().map(|&i| i as i64).collect::<Vec<_>>()).to_device(device);
+            let seq_index =
+                Tensor::from_slice(&decode_rows.iter().map(|&i| i as i64).collect::<Vec<_>>()).to_device(device);
             let token_rows: Vec<i64> = decode_rows.iter().map(|&i| seqs[i].first_token).collect();
             let context: Vec<i64> = decode_rows.iter().map(|&i| seqs[i].context_len).collect();
             let max_context = context.iter().copied().max().unwrap_or(1);
@@ -55,8 +56,14 @@ impl AttentionPlan {
             let context = Tensor::from_slice(&context).to_device(device);
             let key_pos = Tensor::arange(max_context, (Kind::Int64, device));
             let slots = slot_indices(&tables, &key_pos, block_size);
-            let mask = key_pos.unsqueeze(0).lt_tensor(&context.unsqueeze(1)).view([-1, 1, 1, max_context]);
-            DecodeGroup { token_rows: Tensor::from_slice(&token_rows).to_device(device), keys: KeyGather { slots, mask } }
+            let mask = key_pos
+                .unsqueeze(0)
+                .lt_tensor(&context.unsqueeze(1))
+                .view([-1, 1, 1, max_context]);
+            DecodeGroup {
+                token_rows: Tensor::from_slice(&token_rows).to_device(device),
+                keys: KeyGather { slots, mask },
+            }
         });
         let prefills = seqs
             .iter()
@@ -66,12 +73,25 @@ impl AttentionPlan {
                 let table = block_tables.get(i as i64).unsqueeze(0);
                 let key_pos = Tensor::arange(s.context_len, (Kind::Int64, device));
                 let slots = slot_indices(&table, &key_pos, block_size);
-                let query_pos = Tensor::arange_start(s.context_len - s.num_tokens, s.context_len, (Kind::Int64, device));
-                let mask = key_pos.unsqueeze(0).le_tensor(&query_pos.unsqueeze(1)).view([1, 1, s.num_tokens, s.context_len]);
-                PrefillChunk { first_token: s.first_token, num_tokens: s.num_tokens, keys: KeyGather { slots, mask } }
+                let query_pos =
+                    Tensor::arange_start(s.context_len - s.num_tokens, s.context_len, (Kind::Int64, device));
+                let mask =
+                    key_pos
+                        .unsqueeze(0)
+                        .le_tensor(&query_pos.unsqueeze(1))
+                        .view([1, 1, s.num_tokens, s.context_len]);
+                PrefillChunk {
+                    first_token: s.first_token,
+                    num_tokens: s.num_tokens,
+                    keys: KeyGather { slots, mask },
+                }
             })
             .collect();
-        Self { decode, prefills, scale: 1.0 / (head_dim as f64).sqrt() }
+        Self {
+            decode,
+            prefills,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+        }
     }
 
     /// `queries`: `[tokens, n_heads, head_dim]`; `key_cache`/`value_cache`: flat
@@ -86,9 +106,14 @@ impl AttentionPlan {
             let _ = output.index_copy_(0, &group.token_rows, &attended.squeeze_dim(2));
         }
         for chunk in &self.prefills {
-            let q = queries.narrow(0, chunk.first_token, chunk.num_tokens).transpose(0, 1).unsqueeze(0);
+            let q = queries
+                .narrow(0, chunk.first_token, chunk.num_tokens)
+                .transpose(0, 1)
+                .unsqueeze(0);
             let attended = self.attend_group(&q, key_cache, value_cache, &chunk.keys); // [1, heads, n, dim]
-            output.narrow(0, chunk.first_token, chunk.num_tokens).copy_(&attended.squeeze_dim(0).transpose(0, 1));
+            output
+                .narrow(0, chunk.first_token, chunk.num_tokens)
+                .copy_(&attended.squeeze_dim(0).transpose(0, 1));
         }
         output.view([tokens, heads * dim])
     }
@@ -98,7 +123,10 @@ impl AttentionPlan {
         let flat = keys.slots.view([-1]);
         let gather = |cache: &Tensor| {
             let (_, kv_heads, dim) = cache.size3().expect("flat cache is [slots, heads, dim]");
-            cache.index_select(0, &flat).view([batch, num_keys, kv_heads, dim]).transpose(1, 2)
+            cache
+                .index_select(0, &flat)
+                .view([batch, num_keys, kv_heads, dim])
+                .transpose(1, 2)
         };
         Tensor::scaled_dot_product_attention(
             q,

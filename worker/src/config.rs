@@ -64,11 +64,17 @@ impl ModelConfig {
 
     fn validate(&self) -> Result<(), WorkerError> {
         let bad = |why: String| Err(WorkerError::UnsupportedModel(self.name.clone(), why));
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
-            return bad(format!("{} heads cannot be grouped over {} KV heads", self.num_heads, self.num_kv_heads));
+        if self.num_heads == 0 || self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return bad(format!(
+                "{} heads cannot be grouped over {} KV heads",
+                self.num_heads, self.num_kv_heads
+            ));
         }
-        if self.head_dim * self.num_heads != self.hidden_size || self.head_dim % 2 != 0 {
-            return bad(format!("head_dim {} × {} heads ≠ hidden size {}", self.head_dim, self.num_heads, self.hidden_size));
+        if self.head_dim * self.num_heads != self.hidden_size || !self.head_dim.is_multiple_of(2) {
+            return bad(format!(
+                "head_dim {} × {} heads ≠ hidden size {}",
+                self.head_dim, self.num_heads, self.hidden_size
+            ));
         }
         if self.num_layers == 0 || self.vocab_size == 0 || self.context_length == 0 {
             return bad("zero layers, vocabulary or context".to_owned());

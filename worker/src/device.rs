@@ -8,7 +8,11 @@ use crate::error::WorkerError;
 pub fn select_device(spec: &str) -> Result<Device, WorkerError> {
     let spec = spec.trim().to_ascii_lowercase();
     match spec.as_str() {
-        "auto" => Ok(if tch::Cuda::is_available() { Device::Cuda(0) } else { Device::Cpu }),
+        "auto" => Ok(if tch::Cuda::is_available() {
+            Device::Cuda(0)
+        } else {
+            Device::Cpu
+        }),
         "cpu" => Ok(Device::Cpu),
         _ => {
             let index = match spec.strip_prefix("cuda") {
@@ -17,7 +21,12 @@ pub fn select_device(spec: &str) -> Result<Device, WorkerError> {
                     .strip_prefix(':')
                     .and_then(|n| n.parse::<usize>().ok())
                     .ok_or_else(|| WorkerError::Device(spec.clone(), "expected auto, cpu or cuda:N".to_owned()))?,
-                None => return Err(WorkerError::Device(spec.clone(), "expected auto, cpu or cuda:N".to_owned())),
+                None => {
+                    return Err(WorkerError::Device(
+                        spec.clone(),
+                        "expected auto, cpu or cuda:N".to_owned(),
+                    ))
+                }
             };
             let count = tch::Cuda::device_count() as usize;
             if index >= count {

@@ -55,13 +55,25 @@ impl KvCache {
                  ({per_block} bytes each), fewer than the {needed} one {max_model_len}-token sequence needs"
             )));
         }
-        let shape = [num_blocks as i64, block_size as i64, config.num_kv_heads as i64, config.head_dim as i64];
+        let shape = [
+            num_blocks as i64,
+            block_size as i64,
+            config.num_kv_heads as i64,
+            config.head_dim as i64,
+        ];
         let layers = (0..config.num_layers)
             .map(|_| -> Result<LayerKv, WorkerError> {
-                Ok(LayerKv { keys: Tensor::f_zeros(shape, (kind, device))?, values: Tensor::f_zeros(shape, (kind, device))? })
+                Ok(LayerKv {
+                    keys: Tensor::f_zeros(shape, (kind, device))?,
+                    values: Tensor::f_zeros(shape, (kind, device))?,
+                })
             })
             .collect::<Result<_, _>>()?;
-        Ok(Self { layers, num_blocks, block_size })
+        Ok(Self {
+            layers,
+            num_blocks,
+            block_size,
+        })
     }
 
     pub fn num_slots(&self) -> usize {

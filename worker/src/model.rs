@@ -36,7 +36,13 @@ pub struct ForwardInputs<'a> {
 impl LlamaModel {
     pub fn new(config: ModelConfig, weights: ModelWeights, max_positions: usize, device: Device, kind: Kind) -> Self {
         let rope = Rope::new(config.head_dim, config.rope_theta, max_positions, device);
-        Self { config, weights, rope, device, kind }
+        Self {
+            config,
+            weights,
+            rope,
+            device,
+            kind,
+        }
     }
 
     /// Runs the step and returns f32 logits `[samples, vocab]` for `logit_rows`.
@@ -45,15 +51,23 @@ impl LlamaModel {
         let tokens = inputs.input_ids.size()[0];
         let q_dim = (config.num_heads * config.head_dim) as i64;
         let kv_dim = config.kv_dim() as i64;
-        let (heads, kv_heads, head_dim) = (config.num_heads as i64, config.num_kv_heads as i64, config.head_dim as i64);
+        let (heads, kv_heads, head_dim) = (
+            config.num_heads as i64,
+            config.num_kv_heads as i64,
+            config.head_dim as i64,
+        );
 
         let mut hidden = self.weights.token_embedding.index_select(0, inputs.input_ids);
         for (layer, cache) in self.weights.layers.iter().zip(&kv_cache.layers) {
             let normed = self.rms_norm(&hidden, &layer.attn_norm);
             let qkv = normed.linear::<Tensor>(&layer.qkv_proj, None);
             let parts = qkv.split_with_sizes([q_dim, kv_dim, kv_dim], 1);
-            let q = self.rope.apply(&parts[0].view([tokens, heads, head_dim]), inputs.positions);
-            let k = self.rope.apply(&parts[1].view([tokens, kv_heads, head_dim]), inputs.positions);
+            let q = self
+                .rope
+                .apply(&parts[0].view([tokens, heads, head_dim]), inputs.positions);
+            let k = self
+                .rope
+                .apply(&parts[1].view([tokens, kv_heads, head_dim]), inputs.positions);
             let v = parts[2].view([tokens, kv_heads, head_dim]);
 
             let (mut key_cache, mut value_cache) = cache.flat();
@@ -70,7 +84,9 @@ impl LlamaModel {
         // Only the sampled rows need the (vocabulary-sized) output head.
         let last = hidden.index_select(0, inputs.logit_rows);
         let normed = self.rms_norm(&last, &self.weights.output_norm);
-        normed.linear::<Tensor>(&self.weights.lm_head, None).to_kind(Kind::Float)
+        normed
+            .linear::<Tensor>(&self.weights.lm_head, None)
+            .to_kind(Kind::Float)
     }
 
     /// RMSNorm computed in f32 whatever the compute dtype.

@@ -17,7 +17,10 @@ impl Rope {
         let inv_freq = Tensor::from(theta).to_device(device).pow(&exponents).reciprocal();
         let positions = Tensor::arange(max_positions as i64, (Kind::Double, device));
         let angles = positions.outer(&inv_freq);
-        Self { cos: angles.cos().to_kind(options.0), sin: angles.sin().to_kind(options.0) }
+        Self {
+            cos: angles.cos().to_kind(options.0),
+            sin: angles.sin().to_kind(options.0),
+        }
     }
 
     /// Rotates `x` (`[tokens, heads, head_dim]`) for each token's position (`[tokens]`, i64).
@@ -31,6 +34,8 @@ impl Rope {
         let odd = pairs.select(3, 1);
         let rotated_even = &even * &cos - &odd * &sin;
         let rotated_odd = &even * &sin + &odd * &cos;
-        Tensor::stack(&[rotated_even, rotated_odd], 3).view([tokens, heads, head_dim]).to_kind(kind)
+        Tensor::stack(&[rotated_even, rotated_odd], 3)
+            .view([tokens, heads, head_dim])
+            .to_kind(kind)
     }
 }

@@ -22,6 +22,9 @@ pub fn sample(logits: &Tensor, temperature: &Tensor) -> Sampled {
         let drawn = probs.multinomial(1, true).squeeze_dim(1);
         greedy.where_self(&is_greedy, &drawn)
     };
-    let logprobs = logits.log_softmax(-1, Kind::Float).gather(1, &tokens.unsqueeze(1), false).squeeze_dim(1);
+    let logprobs = logits
+        .log_softmax(-1, Kind::Float)
+        .gather(1, &tokens.unsqueeze(1), false)
+        .squeeze_dim(1);
     Sampled { tokens, logprobs }
 }

@@ -55,11 +55,20 @@ impl Worker {
         let kind = compute_kind(device);
         let file = GgufFile::open(&options.model_path)?;
         let config = ModelConfig::from_gguf(&file)?;
-        let max_model_len = options.max_model_len.map_or(config.context_length, |cap| cap.min(config.context_length));
+        let max_model_len = options
+            .max_model_len
+            .map_or(config.context_length, |cap| cap.min(config.context_length));
         let weights = ModelWeights::load(&file, &config, device, kind)?;
         let eos_token_ids = eos_token_ids(&file);
         drop(file);
-        let kv_cache = KvCache::allocate(&config, options.block_size, options.kv_cache_memory, max_model_len, device, kind)?;
+        let kv_cache = KvCache::allocate(
+            &config,
+            options.block_size,
+            options.kv_cache_memory,
+            max_model_len,
+            device,
+            kind,
+        )?;
         let ready = ReadyInfo {
             model: ModelInfo {
                 architecture: config.architecture.clone(),
@@ -79,7 +88,12 @@ impl Worker {
             device: describe(device),
         };
         let model = LlamaModel::new(config, weights, max_model_len, device, kind);
-        Ok(Self { model, kv_cache, ready, step_buffer: None })
+        Ok(Self {
+            model,
+            kv_cache,
+            ready,
+            step_buffer: None,
+        })
     }
 
     pub fn ready_info(&self) -> &ReadyInfo {
@@ -96,10 +110,20 @@ impl Worker {
         for (first, count) in [(0i64, 2i64), (2, 1)] {
             let ids = Tensor::zeros([count], (Kind::Int64, device));
             let positions = Tensor::arange_start(first, first + count, (Kind::Int64, device));
-            let seqs = [SeqSlice { first_token: 0, num_tokens: count, context_len: first + count }];
+            let seqs = [SeqSlice {
+                first_token: 0,
+                num_tokens: count,
+                context_len: first + count,
+            }];
             let plan = AttentionPlan::new(&seqs, &table, block_size, self.model.config.head_dim, device);
             let rows = Tensor::from_slice(&[count - 1]).to_device(device);
-            let inputs = ForwardInputs { input_ids: &ids, positions: &positions, slot_mapping: &positions, attention: &plan, logit_rows: &rows };
+            let inputs = ForwardInputs {
+                input_ids: &ids,
+                positions: &positions,
+                slot_mapping: &positions,
+                attention: &plan,
+                logit_rows: &rows,
+            };
             let logits = self.model.forward(&inputs, &self.kv_cache);
             let _ = sample(&logits, &Tensor::zeros([1], (Kind::Float, device)));
         }
@@ -114,7 +138,10 @@ impl Worker {
     /// Runs step `step` from the step buffer and writes its sampled tokens back into it.
     pub fn run_step(&mut self, step: u64) -> Result<(), WorkerError> {
         let _guard = tch::no_grad_guard();
-        let buffer = self.step_buffer.as_ref().ok_or_else(|| WorkerError::InvalidStep("no step buffer attached".to_owned()))?;
+        let buffer = self
+            .step_buffer
+            .as_ref()
+            .ok_or_else(|| WorkerError::InvalidStep("no step buffer attached".to_owned()))?;
         let header = buffer.header_for_step(step)?;
         let host = self.validate(buffer, &header)?;
         let mut view = StepView::wrap(buffer, &header)?;
@@ -124,22 +151,47 @@ impl Worker {
         let positions = on_device(&view.positions)?;
         let slot_mapping = on_device(&view.slot_mapping)?;
         let block_tables = on_device(&view.block_tables)?;
-        let plan = AttentionPlan::new(&host.seqs, &block_tables, self.kv_cache.block_size as i64, self.model.config.head_dim, device);
+        let plan = AttentionPlan::new(
+            &host.seqs,
+            &block_tables,
+            self.kv_cache.block_size as i64,
+            self.model.config.head_dim,
+            device,
+        );
         if host.sampled_seqs.is_empty() {
             // Only prompt chunks that end mid-prompt: fill the cache, sample nothing.
             let rows = Tensor::from_slice(&[0i64]).to_device(device);
-            let inputs = ForwardInputs { input_ids: &input_ids, positions: &positions, slot_mapping: &slot_mapping, attention: &plan, logit_rows: &rows };
+            let inputs = ForwardInputs {
+                input_ids: &input_ids,
+                positions: &positions,
+                slot_mapping: &slot_mapping,
+                attention: &plan,
+                logit_rows: &rows,
+            };
             let _ = self.model.forward(&inputs, &self.kv_cache);
             return Ok(());
         }
         let rows = Tensor::from_slice(&host.logit_rows).to_device(device);
         let sampled_index = Tensor::from_slice(&host.sampled_seqs);
-        let inputs = ForwardInputs { input_ids: &input_ids, positions: &positions, slot_mapping: &slot_mapping, attention: &plan, logit_rows: &rows };
+        let inputs = ForwardInputs {
+            input_ids: &input_ids,
+            positions: &positions,
+            slot_mapping: &slot_mapping,
+            attention: &plan,
+            logit_rows: &rows,
+        };
         let logits = self.model.forward(&inputs, &self.kv_cache);
-        let temperature = view.temperature.f_index_select(0, &sampled_index)?.f_to_device(device)?;
+        let temperature = view
+            .temperature
+            .f_index_select(0, &sampled_index)?
+            .f_to_device(device)?;
         let sampled = sample(&logits, &temperature);
-        let _ = view.sampled_tokens.f_index_copy_(0, &sampled_index, &sampled.tokens.f_to_device(Device::Cpu)?)?;
-        let _ = view.sampled_logprobs.f_index_copy_(0, &sampled_index, &sampled.logprobs.f_to_device(Device::Cpu)?)?;
+        let _ = view
+            .sampled_tokens
+            .f_index_copy_(0, &sampled_index, &sampled.tokens.f_to_device(Device::Cpu)?)?;
+        let _ = view
+            .sampled_logprobs
+            .f_index_copy_(0, &sampled_index, &sampled.logprobs.f_to_device(Device::Cpu)?)?;
         Ok(())
     }
 
@@ -163,7 +215,11 @@ impl Worker {
         if query_start[0] != 0 || query_start[seqs] != tokens as i64 {
             return invalid(format!("query_start must run from 0 to {tokens}"));
         }
-        let mut host = HostStep { seqs: Vec::with_capacity(seqs), logit_rows: Vec::new(), sampled_seqs: Vec::new() };
+        let mut host = HostStep {
+            seqs: Vec::with_capacity(seqs),
+            logit_rows: Vec::new(),
+            sampled_seqs: Vec::new(),
+        };
         for i in 0..seqs {
             let (start, end, context) = (query_start[i], query_start[i + 1], context_lens[i]);
             if end <= start {
@@ -174,9 +230,15 @@ impl Worker {
             }
             let used_blocks = &block_tables[i * max_blocks..i * max_blocks + blocks_for(context, block_size)];
             if let Some(bad) = used_blocks.iter().find(|&&b| b < 0 || b >= num_blocks) {
-                return invalid(format!("sequence {i}: block {bad} is outside the cache's {num_blocks} blocks"));
+                return invalid(format!(
+                    "sequence {i}: block {bad} is outside the cache's {num_blocks} blocks"
+                ));
             }
-            host.seqs.push(SeqSlice { first_token: start, num_tokens: end - start, context_len: context });
+            host.seqs.push(SeqSlice {
+                first_token: start,
+                num_tokens: end - start,
+                context_len: context,
+            });
             if sample_flags[i] != 0 {
                 host.logit_rows.push(end - 1);
                 host.sampled_seqs.push(i as i64);
@@ -186,7 +248,11 @@ impl Worker {
         let num_slots = self.kv_cache.num_slots() as i64;
         check_range("input_ids", &buffer.i64_array(layout.input_ids)[..tokens], vocab)?;
         check_range("positions", &buffer.i64_array(layout.positions)[..tokens], max_len)?;
-        check_range("slot_mapping", &buffer.i64_array(layout.slot_mapping)[..tokens], num_slots)?;
+        check_range(
+            "slot_mapping",
+            &buffer.i64_array(layout.slot_mapping)[..tokens],
+            num_slots,
+        )?;
         Ok(host)
     }
 }
@@ -198,18 +264,24 @@ fn blocks_for(tokens: i64, block_size: i64) -> usize {
 
 fn check_range(what: &str, values: &[i64], end: i64) -> Result<(), WorkerError> {
     match values.iter().find(|&&v| v < 0 || v >= end) {
-        Some(bad) => Err(WorkerError::InvalidStep(format!("{what} holds {bad}, outside 0..{end}"))),
+        Some(bad) => Err(WorkerError::InvalidStep(format!(
+            "{what} holds {bad}, outside 0..{end}"
+        ))),
         None => Ok(()),
     }
 }
 
 /// End-of-sequence ids from the GGUF tokenizer metadata (EOS, end-of-turn, end-of-message).
 fn eos_token_ids(file: &GgufFile) -> Vec<u32> {
-    let mut ids: Vec<u32> = ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"]
-        .iter()
-        .filter_map(|key| file.get_u64(key).ok())
-        .map(|id| id as u32)
-        .collect();
+    let mut ids: Vec<u32> = [
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ]
+    .iter()
+    .filter_map(|key| file.get_u64(key).ok())
+    .map(|id| id as u32)
+    .collect();
     ids.sort_unstable();
     ids.dedup();
     ids
@@ -217,16 +289,25 @@ fn eos_token_ids(file: &GgufFile) -> Vec<u32> {
 
 /// Connects to the scheduler's one-shot server `server_name`, then serves until told to stop.
 pub fn serve(options: &WorkerOptions, server_name: &str) -> Result<(), WorkerError> {
-    let bootstrap: IpcSender<Bootstrap> = IpcSender::connect(server_name.to_owned()).map_err(|e| WorkerError::Ipc(e.to_string()))?;
+    let bootstrap: IpcSender<Bootstrap> =
+        IpcSender::connect(server_name.to_owned()).map_err(|e| WorkerError::Ipc(e.to_string()))?;
     let (command_tx, commands) = ipc::channel::<WorkerCommand>().map_err(|e| WorkerError::Ipc(e.to_string()))?;
     let (events, event_rx) = ipc::channel::<WorkerEvent>().map_err(|e| WorkerError::Ipc(e.to_string()))?;
-    bootstrap.send(Bootstrap { commands: command_tx, events: event_rx }).map_err(|e| WorkerError::Ipc(e.to_string()))?;
+    bootstrap
+        .send(Bootstrap {
+            commands: command_tx,
+            events: event_rx,
+        })
+        .map_err(|e| WorkerError::Ipc(e.to_string()))?;
 
     let started = Instant::now();
     let mut worker = match Worker::load(options).and_then(|w| w.warm_up().map(|()| w)) {
         Ok(worker) => worker,
         Err(error) => {
-            let _ = events.send(WorkerEvent::Failed { message: error.to_string(), fatal: true });
+            let _ = events.send(WorkerEvent::Failed {
+                message: error.to_string(),
+                fatal: true,
+            });
             return Err(error);
         }
     };
@@ -235,7 +316,11 @@ pub fn serve(options: &WorkerOptions, server_name: &str) -> Result<(), WorkerErr
     command_loop(&mut worker, &commands, &events)
 }
 
-fn command_loop(worker: &mut Worker, commands: &IpcReceiver<WorkerCommand>, events: &IpcSender<WorkerEvent>) -> Result<(), WorkerError> {
+fn command_loop(
+    worker: &mut Worker,
+    commands: &IpcReceiver<WorkerCommand>,
+    events: &IpcSender<WorkerEvent>,
+) -> Result<(), WorkerError> {
     loop {
         let command = match commands.recv() {
             Ok(command) => command,
@@ -248,7 +333,13 @@ fn command_loop(worker: &mut Worker, commands: &IpcReceiver<WorkerCommand>, even
         match command {
             WorkerCommand::AttachStepBuffer { os_id, capacity } => match worker.attach_step_buffer(&os_id, capacity) {
                 Ok(()) => send(events, WorkerEvent::StepBufferAttached)?,
-                Err(error) => send(events, WorkerEvent::Failed { message: error.to_string(), fatal: false })?,
+                Err(error) => send(
+                    events,
+                    WorkerEvent::Failed {
+                        message: error.to_string(),
+                        fatal: false,
+                    },
+                )?,
             },
             WorkerCommand::Step { step } => {
                 let started = Instant::now();
@@ -256,10 +347,16 @@ fn command_loop(worker: &mut Worker, commands: &IpcReceiver<WorkerCommand>, even
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.run_step(step)))
                     .unwrap_or_else(|panic| Err(WorkerError::InvalidStep(panic_message(&panic))));
                 let event = match result {
-                    Ok(()) => WorkerEvent::StepDone { step, forward_micros: started.elapsed().as_micros() as u64 },
+                    Ok(()) => WorkerEvent::StepDone {
+                        step,
+                        forward_micros: started.elapsed().as_micros() as u64,
+                    },
                     Err(error) => {
                         tracing::warn!(step, %error, "step failed");
-                        WorkerEvent::Failed { message: error.to_string(), fatal: false }
+                        WorkerEvent::Failed {
+                            message: error.to_string(),
+                            fatal: false,
+                        }
                     }
                 };
                 send(events, event)?;

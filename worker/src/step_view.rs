@@ -49,7 +49,10 @@ impl<'a> StepView<'a> {
 fn wrap(base: *mut u8, span: ArraySpan, shape: &[i64], kind: Kind) -> Result<Tensor, TchError> {
     let elements: i64 = shape.iter().product();
     if elements < 0 || elements as usize > span.len {
-        return Err(TchError::Shape(format!("{shape:?} exceeds the array's {} elements", span.len)));
+        return Err(TchError::Shape(format!(
+            "{shape:?} exceeds the array's {} elements",
+            span.len
+        )));
     }
     let mut strides = vec![1i64; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
@@ -72,7 +75,12 @@ mod tests {
     /// segment, sees the values as tensors whose memory *is* the mapping, and its writes come back.
     #[test]
     fn tensors_alias_the_shared_mapping_without_a_copy() {
-        let capacity = StepCapacity { max_tokens: 16, max_seqs: 4, max_blocks_per_seq: 8, _reserved: 0 };
+        let capacity = StepCapacity {
+            max_tokens: 16,
+            max_seqs: 4,
+            max_blocks_per_seq: 8,
+            _reserved: 0,
+        };
         let mut scheduler_side = StepBuffer::create(capacity).expect("create");
         let layout = *scheduler_side.layout();
         scheduler_side.header_mut().step = 1;

@@ -83,6 +83,11 @@ impl ModelWeights {
             Some(_) => loader.load("output.weight", &[vocab, hidden])?,
             None => token_embedding.shallow_clone(),
         };
-        Ok(Self { token_embedding, layers, output_norm, lm_head })
+        Ok(Self {
+            token_embedding,
+            layers,
+            output_norm,
+            lm_head,
+        })
     }
 }
