@@ -21,7 +21,10 @@ const PROMPTS: &[&str] = &[
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    let address = args.get(1).cloned().unwrap_or_else(|| "http://127.0.0.1:50051".to_owned());
+    let address = args
+        .get(1)
+        .cloned()
+        .unwrap_or_else(|| "http://127.0.0.1:50051".to_owned());
     let concurrency: usize = args.get(2).map_or(Ok(1), |s| s.parse())?;
     let max_new_tokens: u32 = args.get(3).map_or(Ok(64), |s| s.parse())?;
     let channel = tonic::transport::Endpoint::from_shared(address)?.connect().await?;
@@ -33,7 +36,11 @@ async fn main() -> anyhow::Result<()> {
             let request = GenerateRequest {
                 prompt: PROMPTS[i % PROMPTS.len()].to_owned(),
                 sampling: Some(SamplingParams { temperature: Some(0.0) }),
-                stopping: Some(StoppingCriteria { max_new_tokens: Some(max_new_tokens), ignore_eos: true }),
+                stopping: Some(StoppingCriteria {
+                    max_new_tokens: Some(max_new_tokens),
+                    ignore_eos: true,
+                    ..Default::default()
+                }),
                 ..Default::default()
             };
             let sent = Instant::now();

@@ -111,6 +111,7 @@ async fn streamed_deltas_concatenate_to_the_unary_result() {
         request.stopping = Some(StoppingCriteria {
             max_new_tokens: Some(40),
             ignore_eos: false,
+            ..Default::default()
         });
         let unary = client.generate(request.clone()).await.expect("unary").into_inner();
 
@@ -160,6 +161,7 @@ async fn generation_stops_at_the_models_end_of_sequence_token() {
         request.stopping = Some(StoppingCriteria {
             max_new_tokens: Some(48),
             ignore_eos: false,
+            ..Default::default()
         });
         let response = client.generate(request).await.expect("generate").into_inner();
         match full.iter().position(|&t| t == eos) {

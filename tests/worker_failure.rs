@@ -11,20 +11,37 @@ use tokio_stream::StreamExt;
 use tonic::Code;
 
 fn worker_pid(scheduler_pid: u32) -> Option<u32> {
-    let output = Command::new("pgrep").arg("-P").arg(scheduler_pid.to_string()).output().ok()?;
-    String::from_utf8_lossy(&output.stdout).lines().next()?.trim().parse().ok()
+    let output = Command::new("pgrep")
+        .arg("-P")
+        .arg(scheduler_pid.to_string())
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .next()?
+        .trim()
+        .parse()
+        .ok()
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_worker_fails_its_requests_with_unavailable_and_is_replaced() {
     let mut server = TestServer::start(&[]);
     let mut client = server.client().await;
-    let mut stream = client.stream_generate(greedy_request("Tell me a very long story.", 1000)).await.expect("stream").into_inner();
+    let mut stream = client
+        .stream_generate(greedy_request("Tell me a very long story.", 1000))
+        .await
+        .expect("stream")
+        .into_inner();
     let first = stream.next().await.expect("a first message").expect("ok");
     assert!(!first.token_ids.is_empty());
 
     let worker = worker_pid(server.pid()).expect("the scheduler's worker process");
-    let killed = Command::new("kill").arg("-KILL").arg(worker.to_string()).status().expect("kill");
+    let killed = Command::new("kill")
+        .arg("-KILL")
+        .arg(worker.to_string())
+        .status()
+        .expect("kill");
     assert!(killed.success());
 
     let outcome = tokio::time::timeout(Duration::from_secs(60), async {

@@ -1,18 +1,25 @@
 //! When a sequence is done, in DESIGN.md §3's priority order. Cancellation is noticed before a
-//! step is planned (the client's channel is closed), so this looks at the newest token only:
-//! max tokens → EOS (unless `ignore_eos`) → the model's context length.
+//! step is planned (the client's channel is closed); this looks at the newest token: max tokens →
+//! EOS / stop token ids (unless `ignore_eos` for EOS; never before `min_new_tokens`) → the model's
+//! context. Stop strings and the character limit come next, on the text ([`crate::output_text`]).
 
 use crate::request::FinishReason;
 use crate::sequence::Sequence;
 
-pub fn check_completion(seq: &Sequence, eos_token_ids: &[u32], max_model_len: usize) -> Option<FinishReason> {
+pub fn check_token_completion(seq: &Sequence, eos_token_ids: &[u32], max_model_len: usize) -> Option<FinishReason> {
     let stopping = &seq.request.stopping;
-    if seq.num_generated() >= stopping.max_new_tokens as usize {
+    let generated = seq.num_generated();
+    if generated >= stopping.max_new_tokens as usize {
         return Some(FinishReason::MaxTokens);
     }
     let last = *seq.tokens.last()?;
-    if !stopping.ignore_eos && seq.num_generated() > 0 && eos_token_ids.contains(&last) {
-        return Some(FinishReason::EosToken);
+    if generated > 0 && generated >= stopping.min_new_tokens as usize {
+        if !stopping.ignore_eos && eos_token_ids.contains(&last) {
+            return Some(FinishReason::EosToken);
+        }
+        if stopping.stop_token_ids.contains(&last) {
+            return Some(FinishReason::StopToken);
+        }
     }
     if seq.tokens.len() >= max_model_len {
         return Some(FinishReason::Length);
@@ -25,41 +32,69 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
-    use crate::request::{GenerationRequest, SamplingParams, StoppingParams};
+    use crate::request::{GenerationRequest, Priority, SamplingParams, StoppingParams};
 
-    fn sequence(max_new_tokens: u32, ignore_eos: bool, generated: &[u32]) -> Sequence {
+    fn sequence(stopping: StoppingParams, generated: &[u32]) -> Sequence {
         let (tx, _rx) = mpsc::unbounded_channel();
         let request = GenerationRequest {
             prompt_ids: vec![5, 6],
             sampling: SamplingParams { temperature: 0.0 },
-            stopping: StoppingParams {
-                max_new_tokens,
-                ignore_eos,
-            },
+            stopping,
+            priority: Priority::Normal,
         };
         let mut seq = Sequence::new(1, request, tx);
         seq.tokens.extend_from_slice(generated);
         seq
     }
 
+    fn stopping(max_new_tokens: u32, ignore_eos: bool) -> StoppingParams {
+        StoppingParams {
+            max_new_tokens,
+            ignore_eos,
+            ..Default::default()
+        }
+    }
+
     #[test]
     fn reasons_in_priority_order() {
-        assert_eq!(check_completion(&sequence(4, false, &[9]), &[2], 100), None);
-        assert_eq!(
-            check_completion(&sequence(4, false, &[9, 2]), &[2], 100),
-            Some(FinishReason::EosToken)
-        );
-        assert_eq!(check_completion(&sequence(4, true, &[9, 2]), &[2], 100), None);
+        let check = |stop: StoppingParams, generated: &[u32], max_len| {
+            check_token_completion(&sequence(stop, generated), &[2], max_len)
+        };
+        assert_eq!(check(stopping(4, false), &[9], 100), None);
+        assert_eq!(check(stopping(4, false), &[9, 2], 100), Some(FinishReason::EosToken));
+        assert_eq!(check(stopping(4, true), &[9, 2], 100), None);
         // Max tokens wins over EOS on the same token.
-        assert_eq!(
-            check_completion(&sequence(2, false, &[9, 2]), &[2], 100),
-            Some(FinishReason::MaxTokens)
-        );
-        assert_eq!(
-            check_completion(&sequence(10, false, &[9, 9]), &[2], 4),
-            Some(FinishReason::Length)
-        );
+        assert_eq!(check(stopping(2, false), &[9, 2], 100), Some(FinishReason::MaxTokens));
+        assert_eq!(check(stopping(10, false), &[9, 9], 4), Some(FinishReason::Length));
         // An EOS in the prompt is not a finish.
-        assert_eq!(check_completion(&sequence(4, false, &[]), &[6], 100), None);
+        assert_eq!(check(stopping(4, false), &[], 100), None);
+    }
+
+    #[test]
+    fn stop_tokens_and_min_new_tokens() {
+        let with_stop = StoppingParams {
+            stop_token_ids: vec![7],
+            ..stopping(10, true)
+        };
+        assert_eq!(
+            check_token_completion(&sequence(with_stop.clone(), &[1, 7]), &[2], 100),
+            Some(FinishReason::StopToken)
+        );
+        let min_three = StoppingParams {
+            min_new_tokens: 3,
+            ..with_stop
+        };
+        assert_eq!(
+            check_token_completion(&sequence(min_three.clone(), &[1, 7]), &[2], 100),
+            None
+        );
+        assert_eq!(
+            check_token_completion(&sequence(min_three.clone(), &[1, 2]), &[2], 100),
+            None
+        );
+        assert_eq!(
+            check_token_completion(&sequence(min_three, &[1, 1, 7]), &[2], 100),
+            Some(FinishReason::StopToken)
+        );
     }
 }

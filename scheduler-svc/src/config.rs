@@ -73,6 +73,10 @@ pub struct SchedulerConfig {
     pub max_num_batched_tokens: u32,
     /// `max_new_tokens` for requests that do not set it.
     pub default_max_new_tokens: u32,
+    /// Requests waiting for admission at most; past it, new requests get RESOURCE_EXHAUSTED.
+    pub max_queued_requests: u32,
+    /// Stop strings applied to every request, besides its own.
+    pub default_stop_strings: Vec<String>,
 }
 
 impl Default for Config {
@@ -99,6 +103,8 @@ impl Default for Config {
                 max_num_seqs: 64,
                 max_num_batched_tokens: 512,
                 default_max_new_tokens: 16,
+                max_queued_requests: 1024,
+                default_stop_strings: Vec::new(),
             },
         }
     }

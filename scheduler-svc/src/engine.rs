@@ -2,7 +2,7 @@
 //! running sequences, the block manager and the worker — and drives one iteration at a time
 //! (DESIGN.md §2). gRPC handlers talk to it only through [`EngineHandle`]; no locks.
 
-use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -10,13 +10,17 @@ use std::time::{Duration, Instant};
 use rivulet_ipc::ReadyInfo;
 use thiserror::Error;
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
+use tokio::sync::oneshot;
 
 use crate::block_manager::BlockManager;
-use crate::completion::check_completion;
+use crate::completion::check_token_completion;
 use crate::config::Config;
+use crate::output_text::TextProgress;
+use crate::queue::WaitingQueue;
 use crate::request::{EngineError, FinishReason, GenerationRequest, SequenceEvent, Usage};
 use crate::scheduler::{FcfsScheduler, SchedulerLimits, StepPlan};
 use crate::sequence::{Sequence, SequenceId};
+use crate::stats::{EngineStats, StatsSnapshot};
 use crate::step_writer::write_step;
 use crate::tokenizer::ModelTokenizer;
 use crate::worker_client::{WorkerClient, WorkerClientError};
@@ -45,24 +49,52 @@ enum EngineCommand {
         request: GenerationRequest,
         events: UnboundedSender<SequenceEvent>,
     },
+    GetStats {
+        reply: oneshot::Sender<StatsSnapshot>,
+    },
+    ResetStatsWindow,
 }
 
 /// A cheap, cloneable handle to the engine loop.
 #[derive(Clone)]
 pub struct EngineHandle {
     commands: UnboundedSender<EngineCommand>,
+    /// Requests submitted and not yet admitted for the first time (the admission queue's depth).
+    queued: Arc<AtomicUsize>,
+    max_queued: usize,
     pub info: Arc<EngineInfo>,
 }
 
 impl EngineHandle {
     /// Queues a validated request; its events arrive on the returned receiver. Dropping the
-    /// receiver cancels the request at the next iteration.
+    /// receiver cancels the request at the next iteration. A full queue is `QueueFull`.
     pub fn submit(&self, request: GenerationRequest) -> Result<UnboundedReceiver<SequenceEvent>, EngineError> {
+        let reserved = self.queued.fetch_update(Ordering::AcqRel, Ordering::Acquire, |queued| {
+            (queued < self.max_queued).then_some(queued + 1)
+        });
+        if let Err(queued) = reserved {
+            return Err(EngineError::QueueFull(queued));
+        }
         let (events, receiver) = mpsc::unbounded_channel();
-        self.commands
-            .send(EngineCommand::Submit { request, events })
-            .map_err(|_| EngineError::ShuttingDown)?;
+        if self.commands.send(EngineCommand::Submit { request, events }).is_err() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(EngineError::ShuttingDown);
+        }
         Ok(receiver)
+    }
+
+    pub async fn stats(&self) -> Result<StatsSnapshot, EngineError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(EngineCommand::GetStats { reply })
+            .map_err(|_| EngineError::ShuttingDown)?;
+        answer.await.map_err(|_| EngineError::ShuttingDown)
+    }
+
+    pub fn reset_stats_window(&self) -> Result<(), EngineError> {
+        self.commands
+            .send(EngineCommand::ResetStatsWindow)
+            .map_err(|_| EngineError::ShuttingDown)
     }
 }
 
@@ -82,17 +114,19 @@ pub fn start(
     }
     tracing::info!(?ready, "worker ready");
     let (commands, command_rx) = mpsc::unbounded_channel();
-    let engine = Engine::new(config, worker, tokenizer, command_rx);
+    let queued = Arc::new(AtomicUsize::new(0));
+    let max_queued = config.scheduler.max_queued_requests as usize;
+    let engine = Engine::new(config, worker, tokenizer, command_rx, queued.clone());
     let thread = std::thread::Builder::new()
         .name("engine".to_owned())
         .spawn(move || engine.run())?;
-    Ok((
-        EngineHandle {
-            commands,
-            info: Arc::new(EngineInfo { ready }),
-        },
-        thread,
-    ))
+    let handle = EngineHandle {
+        commands,
+        queued,
+        max_queued,
+        info: Arc::new(EngineInfo { ready }),
+    };
+    Ok((handle, thread))
 }
 
 struct Engine {
@@ -104,7 +138,9 @@ struct Engine {
     scheduler: FcfsScheduler,
     blocks: BlockManager,
     running: Vec<Sequence>,
-    waiting: VecDeque<Sequence>,
+    waiting: WaitingQueue,
+    queued: Arc<AtomicUsize>,
+    stats: EngineStats,
     commands: UnboundedReceiver<EngineCommand>,
     commands_open: bool,
     next_id: SequenceId,
@@ -117,6 +153,7 @@ impl Engine {
         worker: WorkerClient,
         tokenizer: Arc<ModelTokenizer>,
         commands: UnboundedReceiver<EngineCommand>,
+        queued: Arc<AtomicUsize>,
     ) -> Self {
         let ready = worker.ready().clone();
         let scheduler = FcfsScheduler::new(SchedulerLimits {
@@ -132,7 +169,9 @@ impl Engine {
             tokenizer,
             scheduler,
             running: Vec::new(),
-            waiting: VecDeque::new(),
+            waiting: WaitingQueue::default(),
+            queued,
+            stats: EngineStats::default(),
             commands,
             commands_open: true,
             next_id: 1,
@@ -190,6 +229,16 @@ impl Engine {
                 self.next_id += 1;
                 self.waiting.push_back(Sequence::new(id, request, events));
             }
+            EngineCommand::GetStats { reply } => {
+                let snapshot = self.stats.snapshot(
+                    self.waiting.len(),
+                    self.running.len(),
+                    self.blocks.total(),
+                    self.blocks.num_free(),
+                );
+                let _ = reply.send(snapshot);
+            }
+            EngineCommand::ResetStatsWindow => self.stats.reset_window(),
         }
     }
 
@@ -204,10 +253,14 @@ impl Engine {
             }
             keep
         });
+        let queued = &self.queued;
         self.waiting.retain_mut(|seq| {
             let keep = !seq.is_abandoned();
             if !keep {
                 blocks.release(&mut seq.blocks);
+                if !seq.admitted_once {
+                    queued.fetch_sub(1, Ordering::AcqRel);
+                }
             }
             keep
         });
@@ -217,9 +270,14 @@ impl Engine {
         let plan = self
             .scheduler
             .plan(&mut self.running, &mut self.waiting, &mut self.blocks);
+        self.queued.fetch_sub(plan.first_admissions, Ordering::AcqRel);
+        self.stats.num_preemptions += plan.preempted as u64;
         if plan.seqs.is_empty() {
             // Nothing fits even alone: validation makes this unreachable, but never spin on it.
             if let Some(seq) = self.waiting.pop_front() {
+                if !seq.admitted_once {
+                    self.queued.fetch_sub(1, Ordering::AcqRel);
+                }
                 let _ = seq.events.send(SequenceEvent::Failed(EngineError::WorkerUnavailable(
                     "the request does not fit in the KV cache".to_owned(),
                 )));
@@ -227,6 +285,7 @@ impl Engine {
             return;
         }
         self.step += 1;
+        self.stats.iterations += 1;
         let Some(worker) = self.worker.as_mut() else { return };
         write_step(
             worker.buffer_mut(),
@@ -246,7 +305,8 @@ impl Engine {
         let buffer = worker.buffer();
         let sampled = buffer.i64_array(buffer.layout().sampled_tokens);
         let max_model_len = self.ready.max_model_len as usize;
-        let mut finished: Vec<(usize, FinishReason)> = Vec::new();
+        let mut finished: Vec<(usize, FinishReason, String)> = Vec::new();
+        let mut generated = 0;
         for (slot, scheduled) in plan.seqs.iter().enumerate() {
             let seq = &mut self.running[scheduled.running_index];
             seq.num_computed += scheduled.num_tokens;
@@ -255,35 +315,60 @@ impl Engine {
             }
             let token = sampled[slot] as u32;
             seq.tokens.push(token);
-            let text = match seq.detokenizer.push(&self.tokenizer, token) {
+            generated += 1;
+            let token_reason = check_token_completion(seq, &self.ready.eos_token_ids, max_model_len);
+            let mut delta = match seq.detokenizer.push(&self.tokenizer, token) {
                 Ok(text) => text,
                 Err(error) => {
                     let _ = seq
                         .events
                         .send(SequenceEvent::Failed(EngineError::Detokenize(error.to_string())));
-                    finished.push((scheduled.running_index, FinishReason::Cancelled));
+                    finished.push((scheduled.running_index, FinishReason::Cancelled, String::new()));
                     continue;
                 }
             };
-            let _ = seq.events.send(SequenceEvent::Tokens {
-                token_ids: vec![token],
-                text,
-            });
-            if let Some(reason) = check_completion(seq, &self.ready.eos_token_ids, max_model_len) {
-                finished.push((scheduled.running_index, reason));
+            if token_reason.is_some() {
+                delta.push_str(&seq.detokenizer.flush(&self.tokenizer).unwrap_or_default());
             }
+            let min_reached = seq.num_generated() >= seq.request.stopping.min_new_tokens as usize;
+            let outcome = match (seq.output.push(&delta, min_reached), token_reason) {
+                (TextProgress::Continue(text), None) => {
+                    let _ = seq.events.send(SequenceEvent::Tokens {
+                        token_ids: vec![token],
+                        text,
+                    });
+                    continue;
+                }
+                (TextProgress::Continue(mut text), Some(reason)) => {
+                    text.push_str(&seq.output.finish());
+                    (reason, text)
+                }
+                (TextProgress::StopString(text) | TextProgress::CharLimit(text), Some(reason)) => (reason, text),
+                (TextProgress::StopString(text), None) => (FinishReason::StopString, text),
+                (TextProgress::CharLimit(text), None) => (FinishReason::Length, text),
+            };
+            finished.push((scheduled.running_index, outcome.0, outcome.1));
         }
+        self.stats.record_tokens(generated);
         // Remove from the back so earlier indices stay valid.
-        finished.sort_unstable_by_key(|(index, _)| std::cmp::Reverse(*index));
-        for (index, reason) in finished {
+        finished.sort_unstable_by_key(|(index, _, _)| std::cmp::Reverse(*index));
+        for (index, reason, text) in finished {
             let mut seq = self.running.remove(index);
             self.blocks.release(&mut seq.blocks);
-            let text = seq.detokenizer.flush(&self.tokenizer).unwrap_or_default();
+            if reason == FinishReason::Cancelled {
+                continue;
+            }
             let usage = Usage {
                 prompt_tokens: seq.prompt_len() as u32,
                 completion_tokens: seq.num_generated() as u32,
             };
-            let _ = seq.events.send(SequenceEvent::Finished { reason, text, usage });
+            let last_token = seq.tokens.last().copied().into_iter().collect();
+            let _ = seq.events.send(SequenceEvent::Finished {
+                reason,
+                token_ids: last_token,
+                text,
+                usage,
+            });
         }
     }
 
@@ -335,8 +420,11 @@ impl Engine {
     }
 
     fn fail_all(&mut self, error: EngineError) {
-        for mut seq in self.running.drain(..).chain(self.waiting.drain(..)) {
+        for mut seq in self.running.drain(..).chain(self.waiting.drain()) {
             self.blocks.release(&mut seq.blocks);
+            if !seq.admitted_once {
+                self.queued.fetch_sub(1, Ordering::AcqRel);
+            }
             let _ = seq.events.send(SequenceEvent::Failed(error.clone()));
         }
     }

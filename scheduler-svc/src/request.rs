@@ -8,10 +8,30 @@ pub struct SamplingParams {
     pub temperature: f32,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct StoppingParams {
     pub max_new_tokens: u32,
     pub ignore_eos: bool,
+    /// The request's stop strings and the server's defaults.
+    pub stop_strings: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub min_new_tokens: u32,
+    pub max_response_chars: Option<u32>,
+    pub include_stop_str_in_output: bool,
+}
+
+/// Scheduling class: higher is admitted first and preempted last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub enum Priority {
+    Low,
+    #[default]
+    Normal,
+    High,
+    Critical,
+}
+
+impl Priority {
+    pub const ALL_HIGHEST_FIRST: [Priority; 4] = [Priority::Critical, Priority::High, Priority::Normal, Priority::Low];
 }
 
 /// A validated request, tokenized.
@@ -20,12 +40,15 @@ pub struct GenerationRequest {
     pub prompt_ids: Vec<u32>,
     pub sampling: SamplingParams,
     pub stopping: StoppingParams,
+    pub priority: Priority,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
     MaxTokens,
     EosToken,
+    StopToken,
+    StopString,
     /// The sequence reached the model's context length.
     Length,
     Cancelled,
@@ -42,9 +65,10 @@ pub struct Usage {
 pub enum SequenceEvent {
     /// New tokens and the text they complete (possibly empty while a character is incomplete).
     Tokens { token_ids: Vec<u32>, text: String },
-    /// The last event of a request that completed.
+    /// The last event of a request that completed, with its last tokens and text.
     Finished {
         reason: FinishReason,
+        token_ids: Vec<u32>,
         text: String,
         usage: Usage,
     },
@@ -59,6 +83,8 @@ pub enum EngineError {
     WorkerUnavailable(String),
     #[error("the server is shutting down")]
     ShuttingDown,
+    #[error("the queue is full ({0} requests waiting); retry later")]
+    QueueFull(usize),
     #[error("detokenizing: {0}")]
     Detokenize(String),
 }

@@ -4,13 +4,12 @@
 //! Running sequences go first, oldest first: a decoding sequence gets one token, a prefilling one
 //! the rest of its prompt up to the remaining token budget (chunked prefill). Waiting sequences
 //! are then admitted in arrival order while the budget, the sequence limit and the free blocks
-//! allow. When a running sequence needs a block and none is free, the newest running sequence is
-//! preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
+//! allow, highest priority class first. When a running sequence needs a block and none is free,
+//! a later running sequence is preempted (lowest priority, then newest): its blocks are freed and it goes back to the front of the waiting queue, to be
 //! recomputed later (its generated tokens are kept, so the client sees nothing).
 
-use std::collections::VecDeque;
-
 use crate::block_manager::BlockManager;
+use crate::queue::WaitingQueue;
 use crate::sequence::Sequence;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +33,8 @@ pub struct StepPlan {
     pub seqs: Vec<ScheduledSeq>,
     pub num_tokens: usize,
     pub preempted: usize,
+    /// Sequences admitted for the first time (they leave the admission queue's count).
+    pub first_admissions: usize,
 }
 
 pub struct FcfsScheduler {
@@ -47,12 +48,7 @@ impl FcfsScheduler {
 
     /// Plans the next step, allocating the blocks it needs. Moves admitted sequences from
     /// `waiting` to the end of `running`, and preempted ones from `running` to `waiting`.
-    pub fn plan(
-        &self,
-        running: &mut Vec<Sequence>,
-        waiting: &mut VecDeque<Sequence>,
-        blocks: &mut BlockManager,
-    ) -> StepPlan {
+    pub fn plan(&self, running: &mut Vec<Sequence>, waiting: &mut WaitingQueue, blocks: &mut BlockManager) -> StepPlan {
         let mut plan = StepPlan::default();
         let mut budget = self.limits.max_num_batched_tokens;
         let mut index = 0;
@@ -68,14 +64,11 @@ impl FcfsScheduler {
             // Make room by preempting the newest sequences not yet in this step.
             let mut fits = grow(&mut running[index], num_tokens, blocks);
             while !fits && running.len() - 1 > index {
-                let victim = running.pop().map(|mut seq| {
-                    preempt(&mut seq, blocks);
-                    seq
-                });
-                if let Some(victim) = victim {
-                    waiting.push_front(victim);
-                    plan.preempted += 1;
-                }
+                let victim = choose_victim(running, index + 1);
+                let mut victim = running.remove(victim);
+                preempt(&mut victim, blocks);
+                waiting.push_front(victim);
+                plan.preempted += 1;
                 fits = grow(&mut running[index], num_tokens, blocks);
             }
             if !fits {
@@ -107,6 +100,10 @@ impl FcfsScheduler {
                     waiting.push_front(seq);
                     break;
                 }
+                if !seq.admitted_once {
+                    seq.admitted_once = true;
+                    plan.first_admissions += 1;
+                }
                 running.push(seq);
                 let index = running.len() - 1;
                 plan.push(index, num_tokens, &running[index]);
@@ -127,6 +124,13 @@ impl StepPlan {
         });
         self.num_tokens += num_tokens;
     }
+}
+
+/// Among `running[from..]`, the lowest priority, then the newest.
+fn choose_victim(running: &[Sequence], from: usize) -> usize {
+    (from..running.len())
+        .min_by_key(|&i| (running[i].request.priority, std::cmp::Reverse(running[i].id)))
+        .unwrap_or(running.len() - 1)
 }
 
 /// Gives `seq` the blocks to hold `num_tokens` more tokens; false (and nothing taken) if too few.
@@ -157,17 +161,26 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
-    use crate::request::{GenerationRequest, SamplingParams, SequenceEvent, StoppingParams};
+    use crate::request::{GenerationRequest, Priority, SamplingParams, SequenceEvent, StoppingParams};
 
     fn seq(id: u64, prompt_len: usize) -> (Sequence, mpsc::UnboundedReceiver<SequenceEvent>) {
+        seq_with_priority(id, prompt_len, Priority::Normal)
+    }
+
+    fn seq_with_priority(
+        id: u64,
+        prompt_len: usize,
+        priority: Priority,
+    ) -> (Sequence, mpsc::UnboundedReceiver<SequenceEvent>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let request = GenerationRequest {
             prompt_ids: vec![1; prompt_len],
             sampling: SamplingParams { temperature: 0.0 },
             stopping: StoppingParams {
                 max_new_tokens: 8,
-                ignore_eos: false,
+                ..Default::default()
             },
+            priority,
         };
         (Sequence::new(id, request, tx), rx)
     }
@@ -192,7 +205,9 @@ mod tests {
         let (short, _a) = seq(1, 3);
         let (long, _b) = seq(2, 25);
         let mut running = Vec::new();
-        let mut waiting = VecDeque::from([short, long]);
+        let mut waiting = WaitingQueue::default();
+        waiting.push_back(short);
+        waiting.push_back(long);
 
         let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
         assert_eq!(
@@ -226,7 +241,9 @@ mod tests {
         let (a, _a) = seq(1, 4);
         let (b, _b) = seq(2, 4);
         let mut running = Vec::new();
-        let mut waiting = VecDeque::from([a, b]);
+        let mut waiting = WaitingQueue::default();
+        waiting.push_back(a);
+        waiting.push_back(b);
         let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
         assert_eq!(plan.seqs.len(), 2);
         finish_step(&mut running, &plan);
@@ -257,11 +274,42 @@ mod tests {
             max_num_batched_tokens: 64,
         });
         let mut blocks = BlockManager::new(100, 4);
-        let mut waiting: VecDeque<Sequence> = (1..=3).map(|id| seq(id, 2).0).collect();
+        let mut waiting = WaitingQueue::default();
+        (1..=3).for_each(|id| waiting.push_back(seq(id, 2).0));
         let mut running = Vec::new();
         let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
         assert_eq!(plan.seqs.len(), 2);
         assert_eq!(running.iter().map(|s| s.id).collect::<Vec<_>>(), vec![1, 2]);
         assert_eq!(waiting.front().map(|s| s.id), Some(3));
+    }
+
+    #[test]
+    fn the_victim_is_the_lowest_priority_then_the_newest() {
+        let scheduler = FcfsScheduler::new(SchedulerLimits {
+            max_num_seqs: 4,
+            max_num_batched_tokens: 64,
+        });
+        let mut blocks = BlockManager::new(6, 4);
+        let mut waiting = WaitingQueue::default();
+        let mut receivers = Vec::new();
+        for (id, priority) in [(1, Priority::High), (2, Priority::Low), (3, Priority::Normal)] {
+            let (seq, rx) = seq_with_priority(id, 4, priority);
+            waiting.push_back(seq);
+            receivers.push(rx);
+        }
+        let mut running = Vec::new();
+        for _ in 0..10 {
+            let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+            finish_step(&mut running, &plan);
+            if plan.preempted > 0 {
+                break;
+            }
+        }
+        assert_eq!(
+            waiting.front().map(|s| s.id),
+            Some(2),
+            "the LOW sequence was preempted first"
+        );
+        assert!(running.iter().any(|s| s.id == 1));
     }
 }

@@ -4,6 +4,7 @@
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::detokenizer::IncrementalDetokenizer;
+use crate::output_text::OutputText;
 use crate::request::{GenerationRequest, SequenceEvent};
 
 pub type SequenceId = u64;
@@ -18,13 +19,25 @@ pub struct Sequence {
     /// KV blocks holding this sequence's tokens, in order.
     pub blocks: Vec<u32>,
     pub detokenizer: IncrementalDetokenizer,
+    /// Stop strings and the character limit, applied to the detokenized text.
+    pub output: OutputText,
+    /// Counted in the admission queue until first admitted.
+    pub admitted_once: bool,
     pub events: UnboundedSender<SequenceEvent>,
 }
 
 impl Sequence {
     pub fn new(id: SequenceId, request: GenerationRequest, events: UnboundedSender<SequenceEvent>) -> Self {
+        let stopping = &request.stopping;
+        let output = OutputText::new(
+            stopping.stop_strings.clone(),
+            stopping.include_stop_str_in_output,
+            stopping.max_response_chars.map(|c| c as usize),
+        );
         Self {
             id,
+            output,
+            admitted_once: false,
             tokens: request.prompt_ids.clone(),
             request,
             num_computed: 0,

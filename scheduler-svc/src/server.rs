@@ -39,7 +39,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     println!("rivulet-scheduler listening on {address}");
     tracing::info!(%address, model = %config.model.path.display(), "serving");
 
-    let service = GenerationService::new(engine, tokenizer, config.scheduler.default_max_new_tokens);
+    let service = GenerationService::new(
+        engine,
+        tokenizer,
+        config.scheduler.default_max_new_tokens,
+        config.scheduler.default_stop_strings.clone(),
+    );
     Server::builder()
         .add_service(health_service)
         .add_service(reflection)

@@ -12,22 +12,33 @@ use tonic::{Request, Response, Status};
 
 use crate::engine::EngineHandle;
 use crate::request::{
-    EngineError, FinishReason, GenerationRequest, InvalidRequest, SamplingParams, SequenceEvent, StoppingParams, Usage,
+    EngineError, FinishReason, GenerationRequest, InvalidRequest, Priority, SamplingParams, SequenceEvent,
+    StoppingParams, Usage,
 };
+
+/// Stop strings a request may carry.
+const MAX_STOP_STRINGS: usize = 8;
 use crate::tokenizer::ModelTokenizer;
 
 pub struct GenerationService {
     engine: EngineHandle,
     tokenizer: Arc<ModelTokenizer>,
     default_max_new_tokens: u32,
+    default_stop_strings: Vec<String>,
 }
 
 impl GenerationService {
-    pub fn new(engine: EngineHandle, tokenizer: Arc<ModelTokenizer>, default_max_new_tokens: u32) -> Self {
+    pub fn new(
+        engine: EngineHandle,
+        tokenizer: Arc<ModelTokenizer>,
+        default_max_new_tokens: u32,
+        default_stop_strings: Vec<String>,
+    ) -> Self {
         Self {
             engine,
             tokenizer,
             default_max_new_tokens,
+            default_stop_strings,
         }
     }
 
@@ -115,13 +126,61 @@ impl GenerationService {
                 format!("prompt + max_new_tokens = {total} tokens can never fit in the KV cache of {capacity} tokens"),
             ));
         }
+        if stopping.stop.len() > MAX_STOP_STRINGS {
+            return Err(InvalidRequest::new(
+                "stopping.stop",
+                format!("{} stop strings; at most {MAX_STOP_STRINGS}", stopping.stop.len()),
+            ));
+        }
+        if stopping.stop.iter().any(String::is_empty) {
+            return Err(InvalidRequest::new("stopping.stop", "stop strings must not be empty"));
+        }
+        let vocab = ready.model.vocab_size;
+        if let Some(bad) = stopping.stop_token_ids.iter().find(|&&id| id >= vocab) {
+            return Err(InvalidRequest::new(
+                "stopping.stop_token_ids",
+                format!("token id {bad} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        if stopping.min_new_tokens > max_new_tokens {
+            return Err(InvalidRequest::new(
+                "stopping.min_new_tokens",
+                format!("{} exceeds max_new_tokens ({max_new_tokens})", stopping.min_new_tokens),
+            ));
+        }
+        if stopping.max_response_chars == Some(0) {
+            return Err(InvalidRequest::new(
+                "stopping.max_response_chars",
+                "must be at least 1 when set",
+            ));
+        }
+        let priority = match proto::Priority::try_from(request.priority) {
+            Ok(proto::Priority::Unspecified | proto::Priority::Normal) => Priority::Normal,
+            Ok(proto::Priority::Low) => Priority::Low,
+            Ok(proto::Priority::High) => Priority::High,
+            Ok(proto::Priority::Critical) => Priority::Critical,
+            Err(_) => {
+                return Err(InvalidRequest::new(
+                    "priority",
+                    format!("unknown priority {}", request.priority),
+                ))
+            }
+        };
+        let mut stop_strings = stopping.stop;
+        stop_strings.extend(self.default_stop_strings.iter().cloned());
         Ok(GenerationRequest {
             prompt_ids,
             sampling: SamplingParams { temperature },
             stopping: StoppingParams {
                 max_new_tokens,
                 ignore_eos: stopping.ignore_eos,
+                stop_strings,
+                stop_token_ids: stopping.stop_token_ids,
+                min_new_tokens: stopping.min_new_tokens,
+                max_response_chars: stopping.max_response_chars,
+                include_stop_str_in_output: stopping.include_stop_str_in_output,
             },
+            priority,
         })
     }
 
@@ -150,7 +209,13 @@ impl Generation for GenerationService {
                     response.token_ids.extend(token_ids);
                     response.text.push_str(&text);
                 }
-                SequenceEvent::Finished { reason, text, usage } => {
+                SequenceEvent::Finished {
+                    reason,
+                    token_ids,
+                    text,
+                    usage,
+                } => {
+                    response.token_ids.extend(token_ids);
                     response.text.push_str(&text);
                     response.finish_reason = proto_reason(reason) as i32;
                     response.usage = Some(proto_usage(usage));
@@ -174,9 +239,14 @@ impl Generation for GenerationService {
                 token_ids,
                 ..Default::default()
             }),
-            SequenceEvent::Finished { reason, text, usage } => Ok(proto::GenerateStreamResponse {
+            SequenceEvent::Finished {
+                reason,
+                token_ids,
                 text,
-                token_ids: Vec::new(),
+                usage,
+            } => Ok(proto::GenerateStreamResponse {
+                text,
+                token_ids,
                 finish_reason: proto_reason(reason) as i32,
                 usage: Some(proto_usage(usage)),
             }),
@@ -193,6 +263,7 @@ fn invalid_argument(error: InvalidRequest) -> Status {
 fn engine_status(error: EngineError) -> Status {
     match error {
         EngineError::WorkerUnavailable(_) | EngineError::ShuttingDown => Status::unavailable(error.to_string()),
+        EngineError::QueueFull(_) => Status::resource_exhausted(error.to_string()),
         EngineError::Detokenize(_) => Status::internal(error.to_string()),
     }
 }
@@ -201,6 +272,8 @@ fn proto_reason(reason: FinishReason) -> proto::FinishReason {
     match reason {
         FinishReason::MaxTokens => proto::FinishReason::MaxTokens,
         FinishReason::EosToken => proto::FinishReason::EosToken,
+        FinishReason::StopToken => proto::FinishReason::StopToken,
+        FinishReason::StopString => proto::FinishReason::StopString,
         FinishReason::Length => proto::FinishReason::Length,
         FinishReason::Cancelled => proto::FinishReason::Cancelled,
     }

@@ -140,6 +140,7 @@ pub fn greedy_request(prompt: &str, max_new_tokens: u32) -> GenerateRequest {
         stopping: Some(StoppingCriteria {
             max_new_tokens: Some(max_new_tokens),
             ignore_eos: true,
+            ..Default::default()
         }),
         ..Default::default()
     }

@@ -1,0 +1,85 @@
+//! Engine statistics, owned by the engine loop and copied out on request.
+
+use std::time::Instant;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StatsSnapshot {
+    pub total_tokens_generated: u64,
+    /// Generated tokens per second since the window started.
+    pub tokens_per_second: f64,
+    pub window_seconds: f64,
+    pub num_waiting: u32,
+    pub num_running: u32,
+    pub kv_blocks_total: u32,
+    pub kv_blocks_used: u32,
+    pub kv_blocks_free: u32,
+    /// 1 − free / total.
+    pub memory_pressure: f64,
+    pub num_preemptions: u64,
+    pub iterations: u64,
+}
+
+#[derive(Debug)]
+pub struct EngineStats {
+    pub total_tokens_generated: u64,
+    pub num_preemptions: u64,
+    pub iterations: u64,
+    window_start: Instant,
+    window_tokens: u64,
+}
+
+impl Default for EngineStats {
+    fn default() -> Self {
+        Self {
+            total_tokens_generated: 0,
+            num_preemptions: 0,
+            iterations: 0,
+            window_start: Instant::now(),
+            window_tokens: 0,
+        }
+    }
+}
+
+impl EngineStats {
+    pub fn record_tokens(&mut self, tokens: u64) {
+        self.total_tokens_generated += tokens;
+        self.window_tokens += tokens;
+    }
+
+    pub fn reset_window(&mut self) {
+        self.window_start = Instant::now();
+        self.window_tokens = 0;
+    }
+
+    /// Copies the counters out, with the queue and KV figures the engine passes in.
+    pub fn snapshot(
+        &self,
+        num_waiting: usize,
+        num_running: usize,
+        blocks_total: u32,
+        blocks_free: u32,
+    ) -> StatsSnapshot {
+        let window_seconds = self.window_start.elapsed().as_secs_f64();
+        StatsSnapshot {
+            total_tokens_generated: self.total_tokens_generated,
+            tokens_per_second: if window_seconds > 0.0 {
+                self.window_tokens as f64 / window_seconds
+            } else {
+                0.0
+            },
+            window_seconds,
+            num_waiting: num_waiting as u32,
+            num_running: num_running as u32,
+            kv_blocks_total: blocks_total,
+            kv_blocks_used: blocks_total - blocks_free,
+            kv_blocks_free: blocks_free,
+            memory_pressure: if blocks_total == 0 {
+                0.0
+            } else {
+                1.0 - f64::from(blocks_free) / f64::from(blocks_total)
+            },
+            num_preemptions: self.num_preemptions,
+            iterations: self.iterations,
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! Completion over gRPC on the real model: stop strings (across token boundaries, trimmed or
+//! kept, streaming and unary agreeing), stop token ids, the character limit, and a full queue.
+
+mod common;
+
+use common::{greedy_request, shared_server, TestServer};
+use rivulet::proto::{FinishReason, GenerateRequest, StoppingCriteria};
+use tokio_stream::StreamExt;
+use tonic::Code;
+
+const PROMPT: &str = "Write a short story about a lighthouse keeper and a storm.";
+
+/// The streamed text deltas and token ids of a greedy run that never stops early.
+async fn greedy_deltas(prompt: &str, tokens: u32) -> Vec<(Vec<u32>, String)> {
+    let mut client = shared_server().client().await;
+    let mut stream = client
+        .stream_generate(greedy_request(prompt, tokens))
+        .await
+        .expect("stream")
+        .into_inner();
+    let mut deltas = Vec::new();
+    while let Some(message) = stream.next().await {
+        let message = message.expect("message");
+        deltas.push((message.token_ids, message.text));
+    }
+    deltas
+}
+
+fn with_stopping(prompt: &str, stopping: StoppingCriteria) -> GenerateRequest {
+    GenerateRequest {
+        stopping: Some(stopping),
+        ..greedy_request(prompt, 0)
+    }
+}
+
+async fn unary_and_streamed(request: GenerateRequest) -> (rivulet::proto::GenerateResponse, String, FinishReason) {
+    let mut client = shared_server().client().await;
+    let unary = client.generate(request.clone()).await.expect("unary").into_inner();
+    let mut stream = client.stream_generate(request).await.expect("stream").into_inner();
+    let (mut text, mut reason) = (String::new(), FinishReason::Unspecified);
+    while let Some(message) = stream.next().await {
+        let message = message.expect("message");
+        text.push_str(&message.text);
+        reason = message.finish_reason();
+    }
+    (unary, text, reason)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_string_spanning_tokens_ends_the_output_and_is_trimmed() {
+    let deltas = greedy_deltas(PROMPT, 48).await;
+    let full: String = deltas.iter().map(|(_, text)| text.as_str()).collect();
+    // A stop string made of the end of one token's text and the start of the next one's.
+    let (left, right) = deltas
+        .windows(2)
+        .skip(3)
+        .map(|pair| (pair[0].1.clone(), pair[1].1.clone()))
+        .find(|(a, b)| a.chars().count() >= 2 && b.chars().count() >= 2)
+        .expect("two adjacent multi-character tokens");
+    let stop: String = left
+        .chars()
+        .rev()
+        .take(2)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .chain(right.chars().take(2))
+        .collect();
+    let cut = full.find(&stop).expect("the stop string occurs in the output");
+    let stopping = StoppingCriteria {
+        max_new_tokens: Some(48),
+        ignore_eos: true,
+        stop: vec![stop.clone()],
+        ..Default::default()
+    };
+
+    let (unary, streamed, reason) = unary_and_streamed(with_stopping(PROMPT, stopping.clone())).await;
+    assert_eq!(unary.finish_reason(), FinishReason::StopString);
+    assert_eq!(reason, FinishReason::StopString);
+    assert_eq!(unary.text, full[..cut], "output trimmed before {stop:?}");
+    assert_eq!(streamed, unary.text, "streaming and unary agree");
+    assert!(unary.token_ids.len() < 48);
+
+    let keep = StoppingCriteria {
+        include_stop_str_in_output: true,
+        ..stopping
+    };
+    let (unary, streamed, _) = unary_and_streamed(with_stopping(PROMPT, keep)).await;
+    assert_eq!(unary.text, full[..cut + stop.len()]);
+    assert_eq!(streamed, unary.text);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stop_token_ids_min_new_tokens_and_the_character_limit() {
+    let deltas = greedy_deltas(PROMPT, 24).await;
+    let tokens: Vec<u32> = deltas.iter().flat_map(|(ids, _)| ids.clone()).collect();
+    let full: String = deltas.iter().map(|(_, text)| text.as_str()).collect();
+
+    // Stop at the 6th generated token's id (its first occurrence).
+    let stop_token = tokens[5];
+    let first = tokens.iter().position(|&t| t == stop_token).expect("present");
+    let stopping = StoppingCriteria {
+        max_new_tokens: Some(24),
+        ignore_eos: true,
+        stop_token_ids: vec![stop_token],
+        ..Default::default()
+    };
+    let (unary, _, reason) = unary_and_streamed(with_stopping(PROMPT, stopping.clone())).await;
+    assert_eq!(unary.finish_reason(), FinishReason::StopToken);
+    assert_eq!(reason, FinishReason::StopToken);
+    assert_eq!(unary.token_ids, tokens[..=first]);
+
+    // Not before min_new_tokens.
+    let later = tokens
+        .iter()
+        .skip(first + 1)
+        .position(|&t| t == stop_token)
+        .map(|p| p + first + 1);
+    let min = StoppingCriteria {
+        min_new_tokens: first as u32 + 2,
+        ..stopping
+    };
+    let (unary, _, _) = unary_and_streamed(with_stopping(PROMPT, min)).await;
+    match later {
+        Some(at) if at + 1 >= first + 2 => assert_eq!(unary.token_ids, tokens[..=at]),
+        _ => assert_eq!(unary.token_ids, tokens, "no later stop token: runs to max_new_tokens"),
+    }
+
+    // The character limit cuts the text on a character boundary, reason LENGTH.
+    let limit = full.chars().count() / 2;
+    let chars = StoppingCriteria {
+        max_new_tokens: Some(24),
+        ignore_eos: true,
+        max_response_chars: Some(limit as u32),
+        ..Default::default()
+    };
+    let (unary, streamed, reason) = unary_and_streamed(with_stopping(PROMPT, chars)).await;
+    assert_eq!(unary.finish_reason(), FinishReason::Length);
+    assert_eq!(reason, FinishReason::Length);
+    assert_eq!(unary.text, full.chars().take(limit).collect::<String>());
+    assert_eq!(streamed, unary.text);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_queue_is_resource_exhausted_and_the_server_recovers() {
+    let server = TestServer::start(&[
+        ("RIVULET_SCHEDULER__MAX_NUM_SEQS", "1"),
+        ("RIVULET_SCHEDULER__MAX_QUEUED_REQUESTS", "1"),
+    ]);
+    let mut client = server.client().await;
+    // One long request runs (the only sequence slot) ...
+    let mut running = client
+        .stream_generate(greedy_request(PROMPT, 400))
+        .await
+        .expect("running")
+        .into_inner();
+    running.next().await.expect("first message").expect("ok");
+    // ... one waits (the only queue slot) ...
+    let mut waiting_client = server.client().await;
+    let waiting = tokio::spawn(async move { waiting_client.generate(greedy_request("Hello", 4)).await });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // ... and the next is turned away.
+    let status = client
+        .generate(greedy_request("Hello", 4))
+        .await
+        .expect_err("queue full");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("queue is full"), "{}", status.message());
+
+    drop(running); // cancelling frees the slot; the waiting request then runs.
+    let response = waiting
+        .await
+        .expect("join")
+        .expect("the queued request is served")
+        .into_inner();
+    assert_eq!(response.token_ids.len(), 4);
+    let response = client
+        .generate(greedy_request("Hello", 4))
+        .await
+        .expect("served again")
+        .into_inner();
+    assert_eq!(response.token_ids.len(), 4);
+}
