@@ -6,7 +6,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY of intent: build scripts are single-threaded; prost-build reads PROTOC.
     unsafe { std::env::set_var("PROTOC", protoc) };
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
-    let protos = ["proto/rivulet/v1/generation.proto"];
+    let protos = ["proto/rivulet/v1/generation.proto", "proto/rivulet/v1/admin.proto"];
     tonic_prost_build::configure()
         .file_descriptor_set_path(out_dir.join("rivulet_v1_descriptor.bin"))
         .compile_protos(&protos, &["proto"])?;

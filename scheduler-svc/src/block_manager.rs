@@ -1,20 +1,84 @@
-//! Paged KV accounting: which of the worker's fixed-size KV blocks are free. Sequences keep their
-//! own block tables; this hands blocks out and takes them back, O(1) per block.
+//! Paged KV accounting (DESIGN.md §3): which of the worker's fixed-size KV blocks are free, shared
+//! or cached. Sequences keep their own block tables; this hands blocks out, counts references
+//! (prefix-cache hits share blocks), and decides admission:
+//!
+//! - a fraction of the blocks (`reserved_block_ratio`) is kept back from new admissions, so that
+//!   running sequences can grow without preempting each other at once;
+//! - past `backpressure_threshold` of memory pressure (1 − available/total) nothing new is
+//!   admitted while something runs;
+//! - blocks whose last user left but which hold a cached prefix stay *evictable*: they count as
+//!   available and are reused least recently used first.
+//!
+//! Allocation and release are O(1) per block.
 
-#[derive(Debug)]
+use std::time::{Duration, Instant};
+
+use crate::prefix_cache::{chain_hash, PrefixCache, ROOT_HASH};
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockManagerConfig {
+    pub reserved_block_ratio: f64,
+    pub backpressure_threshold: f64,
+    pub prefix_cache: bool,
+    pub prefix_cache_ttl: Option<Duration>,
+}
+
+impl Default for BlockManagerConfig {
+    fn default() -> Self {
+        Self {
+            reserved_block_ratio: 0.1,
+            backpressure_threshold: 0.8,
+            prefix_cache: true,
+            prefix_cache_ttl: None,
+        }
+    }
+}
+
+/// The answer to "can this request start now?".
+#[derive(Debug, Clone, PartialEq)]
+pub enum Admission {
+    Accepted { remaining_blocks: u32 },
+    Rejected(RejectReason),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RejectReason {
+    /// Over `backpressure_threshold`; retried next iteration.
+    Backpressure { memory_pressure: f64 },
+    /// Not enough blocks outside the reserve now; retried next iteration.
+    NotEnoughBlocks { needed: u32, admissible: u32 },
+}
+
+/// Blocks a sequence got from the prefix cache.
+#[derive(Debug, Default, PartialEq)]
+pub struct PrefixMatch {
+    pub blocks: Vec<u32>,
+    pub hashes: Vec<u64>,
+    pub tokens: usize,
+}
+
 pub struct BlockManager {
-    free: Vec<u32>,
-    total: u32,
     block_size: u32,
+    total: u32,
+    ref_counts: Vec<u32>,
+    free: Vec<u32>,
+    reserved: u32,
+    config: BlockManagerConfig,
+    cache: PrefixCache,
 }
 
 impl BlockManager {
-    pub fn new(total: u32, block_size: u32) -> Self {
-        // Reversed so that low block ids are handed out first (easier to read in logs).
+    pub fn new(total: u32, block_size: u32, config: BlockManagerConfig) -> Self {
+        let reserved = (f64::from(total) * config.reserved_block_ratio.clamp(0.0, 1.0)).floor() as u32;
         Self {
-            free: (0..total).rev().collect(),
-            total,
             block_size,
+            total,
+            ref_counts: vec![0; total as usize],
+            // Reversed so that low block ids are handed out first (easier to read in logs).
+            free: (0..total).rev().collect(),
+            reserved,
+            cache: PrefixCache::new(config.prefix_cache_ttl),
+            config,
         }
     }
 
@@ -26,8 +90,33 @@ impl BlockManager {
         self.total
     }
 
+    /// Blocks nobody uses and no cached prefix holds.
     pub fn num_free(&self) -> u32 {
         self.free.len() as u32
+    }
+
+    /// Blocks nobody uses that hold a cached prefix (reusable, evictable).
+    pub fn num_cached(&self) -> u32 {
+        self.cache.num_evictable() as u32
+    }
+
+    pub fn num_available(&self) -> u32 {
+        self.num_free() + self.num_cached()
+    }
+
+    pub fn num_used(&self) -> u32 {
+        self.total - self.num_available()
+    }
+
+    pub fn memory_pressure(&self) -> f64 {
+        if self.total == 0 {
+            return 0.0;
+        }
+        1.0 - f64::from(self.num_available()) / f64::from(self.total)
+    }
+
+    pub fn prefix_cache_hit_rate(&self) -> f64 {
+        self.cache.hit_rate()
     }
 
     /// Blocks needed to hold `tokens` tokens.
@@ -35,19 +124,116 @@ impl BlockManager {
         tokens.div_ceil(self.block_size as usize) as u32
     }
 
-    /// Takes `count` blocks, or none if fewer are free.
-    pub fn allocate(&mut self, count: u32) -> Option<Vec<u32>> {
-        let count = count as usize;
-        if count > self.free.len() {
-            return None;
+    /// Whether a new sequence needing `new_blocks` more blocks may start now. `others_running`
+    /// turns the reserve and backpressure on: alone, anything that fits may start.
+    pub fn admission(&self, new_blocks: u32, others_running: bool) -> Admission {
+        let available = self.num_available();
+        let (admissible, pressure_limited) = if others_running {
+            (
+                available.saturating_sub(self.reserved),
+                self.memory_pressure() > self.config.backpressure_threshold,
+            )
+        } else {
+            (available, false)
+        };
+        if pressure_limited {
+            return Admission::Rejected(RejectReason::Backpressure {
+                memory_pressure: self.memory_pressure(),
+            });
         }
-        Some(self.free.split_off(self.free.len() - count))
+        if new_blocks > admissible {
+            return Admission::Rejected(RejectReason::NotEnoughBlocks {
+                needed: new_blocks,
+                admissible,
+            });
+        }
+        Admission::Accepted {
+            remaining_blocks: available - new_blocks,
+        }
     }
 
+    /// Takes `count` blocks (free ones first, then the least recently used cached ones), or none.
+    pub fn allocate(&mut self, count: u32) -> Option<Vec<u32>> {
+        if count > self.num_available() {
+            return None;
+        }
+        let mut blocks = Vec::with_capacity(count as usize);
+        while blocks.len() < count as usize {
+            let block = match self.free.pop() {
+                Some(block) => block,
+                None => self.cache.evict_lru()?,
+            };
+            self.ref_counts[block as usize] = 1;
+            blocks.push(block);
+        }
+        Some(blocks)
+    }
+
+    /// Drops one reference to each block; unreferenced blocks become free, or evictable when they
+    /// hold a cached prefix.
     pub fn release(&mut self, blocks: &mut Vec<u32>) {
-        debug_assert!(blocks.iter().all(|b| *b < self.total));
-        self.free.append(blocks);
-        debug_assert!(self.free.len() <= self.total as usize, "a block was freed twice");
+        let now = Instant::now();
+        for block in blocks.drain(..) {
+            let count = &mut self.ref_counts[block as usize];
+            debug_assert!(*count > 0, "block {block} released more often than taken");
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                if self.cache.is_cached(block) {
+                    self.cache.mark_evictable(block, now);
+                } else {
+                    self.free.push(block);
+                }
+            }
+        }
+    }
+
+    /// Takes a reference to the longest chain of cached full blocks that starts `tokens`, always
+    /// leaving at least one token to compute (its logits give the next token).
+    pub fn match_prefix(&mut self, tokens: &[u32]) -> PrefixMatch {
+        let mut found = PrefixMatch::default();
+        if !self.config.prefix_cache || tokens.is_empty() {
+            return found;
+        }
+        let block_size = self.block_size as usize;
+        let reusable = (tokens.len() - 1) / block_size;
+        let mut parent = ROOT_HASH;
+        for chunk in tokens.chunks(block_size).take(reusable) {
+            let Some((hash, block)) = self.cache.lookup(parent, chunk) else {
+                break;
+            };
+            if self.ref_counts[block as usize] == 0 {
+                self.cache.mark_in_use(block);
+            }
+            self.ref_counts[block as usize] += 1;
+            found.blocks.push(block);
+            found.hashes.push(hash);
+            parent = hash;
+        }
+        found.tokens = found.blocks.len() * block_size;
+        self.cache.record_lookup(tokens.len(), found.tokens);
+        found
+    }
+
+    /// Offers a sequence's newly completed blocks to the prefix cache. `hashes` holds the chain
+    /// hashes of the blocks already offered and grows with the new ones.
+    pub fn register_full_blocks(&mut self, tokens: &[u32], num_computed: usize, blocks: &[u32], hashes: &mut Vec<u64>) {
+        if !self.config.prefix_cache {
+            return;
+        }
+        let block_size = self.block_size as usize;
+        let full = (num_computed / block_size).min(blocks.len());
+        for index in hashes.len()..full {
+            let parent = hashes.last().copied().unwrap_or(ROOT_HASH);
+            let chunk = &tokens[index * block_size..(index + 1) * block_size];
+            self.cache.insert(parent, chunk, blocks[index]);
+            hashes.push(chain_hash(parent, chunk));
+        }
+    }
+
+    /// Frees cached blocks unused for longer than the TTL.
+    pub fn expire_cached(&mut self, now: Instant) {
+        let expired = self.cache.evict_expired(now);
+        self.free.extend(expired);
     }
 }
 
@@ -55,19 +241,87 @@ impl BlockManager {
 mod tests {
     use super::*;
 
+    fn manager(total: u32, block_size: u32) -> BlockManager {
+        BlockManager::new(total, block_size, BlockManagerConfig::default())
+    }
+
     #[test]
     fn allocation_is_all_or_nothing_and_release_restores() {
-        let mut manager = BlockManager::new(4, 16);
-        assert_eq!(manager.blocks_for(33), 3);
-        let mut first = manager.allocate(3).expect("3 of 4");
-        assert!(manager.allocate(2).is_none());
-        assert_eq!(manager.num_free(), 1);
-        manager.release(&mut first);
+        let mut blocks = manager(4, 16);
+        assert_eq!(blocks.blocks_for(33), 3);
+        let mut first = blocks.allocate(3).expect("3 of 4");
+        assert!(blocks.allocate(2).is_none());
+        assert_eq!(blocks.num_free(), 1);
+        blocks.release(&mut first);
         assert!(first.is_empty());
-        assert_eq!(manager.num_free(), 4);
-        let all = manager.allocate(4).expect("all");
-        let mut sorted = all.clone();
-        sorted.sort_unstable();
-        assert_eq!(sorted, vec![0, 1, 2, 3]);
+        assert_eq!(blocks.num_free(), 4);
+        let mut all = blocks.allocate(4).expect("all");
+        all.sort_unstable();
+        assert_eq!(all, vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn the_reserve_and_backpressure_apply_only_beside_running_sequences() {
+        let mut blocks = manager(10, 4);
+        assert_eq!(blocks.admission(10, false), Admission::Accepted { remaining_blocks: 0 });
+        assert!(matches!(
+            blocks.admission(10, true),
+            Admission::Rejected(RejectReason::NotEnoughBlocks { admissible: 9, .. })
+        ));
+        let _held = blocks.allocate(9).expect("9");
+        assert!((blocks.memory_pressure() - 0.9).abs() < 1e-9);
+        assert!(matches!(
+            blocks.admission(1, true),
+            Admission::Rejected(RejectReason::Backpressure { .. })
+        ));
+        assert_eq!(blocks.admission(1, false), Admission::Accepted { remaining_blocks: 0 });
+    }
+
+    #[test]
+    fn shared_prefix_blocks_are_reference_counted_and_cached_after_release() {
+        let mut blocks = manager(8, 2);
+        let tokens = [1, 2, 3, 4, 5];
+        let mut first = blocks.allocate(3).expect("3");
+        let mut hashes = Vec::new();
+        blocks.register_full_blocks(&tokens, 5, &first, &mut hashes);
+        assert_eq!(hashes.len(), 2, "two full blocks of two tokens");
+
+        // A second sequence with the same prompt reuses both full blocks.
+        let hit = blocks.match_prefix(&tokens);
+        assert_eq!(hit.blocks, first[..2]);
+        assert_eq!(hit.tokens, 4);
+        blocks.release(&mut first);
+        assert_eq!(
+            blocks.num_used(),
+            2,
+            "the shared blocks are still held by the second sequence"
+        );
+        let mut second = hit.blocks;
+        blocks.release(&mut second);
+        assert_eq!(blocks.num_used(), 0);
+        assert_eq!(blocks.num_cached(), 2);
+        assert_eq!(blocks.num_free() + blocks.num_cached(), 8);
+
+        // A prompt that is exactly the cached blocks still leaves its last token to compute.
+        let whole = blocks.match_prefix(&tokens[..4]);
+        assert_eq!(whole.tokens, 2);
+        assert!((blocks.prefix_cache_hit_rate() - 6.0 / 9.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn allocation_evicts_cached_blocks_when_nothing_is_free() {
+        let mut blocks = manager(2, 2);
+        let mut held = blocks.allocate(2).expect("2");
+        let mut hashes = Vec::new();
+        blocks.register_full_blocks(&[1, 2, 3, 4], 4, &held, &mut hashes);
+        blocks.release(&mut held);
+        assert_eq!((blocks.num_free(), blocks.num_cached()), (0, 2));
+        let fresh = blocks.allocate(2).expect("evicts both");
+        assert_eq!(fresh.len(), 2);
+        assert_eq!(
+            blocks.match_prefix(&[1, 2, 3, 4, 5]).tokens,
+            0,
+            "evicted blocks are no longer hits"
+        );
     }
 }

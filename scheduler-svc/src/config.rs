@@ -10,6 +10,8 @@ use figment::Figment;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::scheduler::SchedulingPolicy;
+
 #[derive(Debug, Error)]
 pub enum ConfigError {
     #[error("invalid configuration: {0}")]
@@ -34,6 +36,8 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Log lines as JSON.
     pub json_logs: bool,
+    /// After SIGTERM/SIGINT, how long running requests may take to finish before they are ended.
+    pub shutdown_timeout_secs: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -77,6 +81,16 @@ pub struct SchedulerConfig {
     pub max_queued_requests: u32,
     /// Stop strings applied to every request, besides its own.
     pub default_stop_strings: Vec<String>,
+    /// `fair`, `latency_first` or `throughput_first`; switchable while serving (admin RPC).
+    pub policy: SchedulingPolicy,
+    /// Share of KV blocks new admissions may not use (headroom for running sequences).
+    pub reserved_block_ratio: f64,
+    /// Memory pressure (1 − available/total) past which nothing new is admitted.
+    pub backpressure_threshold: f64,
+    /// Reuse the KV blocks of earlier requests' identical prompt prefixes.
+    pub prefix_cache: bool,
+    /// Cached blocks unused this long are freed (default: only when space is needed).
+    pub prefix_cache_ttl_seconds: Option<u64>,
 }
 
 impl Default for Config {
@@ -84,6 +98,7 @@ impl Default for Config {
         Self {
             server: ServerConfig {
                 listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+                shutdown_timeout_secs: 30,
                 json_logs: false,
             },
             model: ModelConfig {
@@ -105,6 +120,11 @@ impl Default for Config {
                 default_max_new_tokens: 16,
                 max_queued_requests: 1024,
                 default_stop_strings: Vec::new(),
+                policy: SchedulingPolicy::Fair,
+                reserved_block_ratio: 0.1,
+                backpressure_threshold: 0.8,
+                prefix_cache: true,
+                prefix_cache_ttl_seconds: None,
             },
         }
     }

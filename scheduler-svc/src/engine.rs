@@ -12,13 +12,13 @@ use thiserror::Error;
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio::sync::oneshot;
 
-use crate::block_manager::BlockManager;
+use crate::block_manager::{BlockManager, BlockManagerConfig};
 use crate::completion::check_token_completion;
 use crate::config::Config;
 use crate::output_text::TextProgress;
 use crate::queue::WaitingQueue;
 use crate::request::{EngineError, FinishReason, GenerationRequest, SequenceEvent, Usage};
-use crate::scheduler::{FcfsScheduler, SchedulerLimits, StepPlan};
+use crate::scheduler::{Scheduler, SchedulerLimits, SchedulingPolicy, StepPlan};
 use crate::sequence::{Sequence, SequenceId};
 use crate::stats::{EngineStats, StatsSnapshot};
 use crate::step_writer::write_step;
@@ -52,7 +52,15 @@ enum EngineCommand {
     GetStats {
         reply: oneshot::Sender<StatsSnapshot>,
     },
+    SetPolicy {
+        policy: SchedulingPolicy,
+        reply: oneshot::Sender<SchedulingPolicy>,
+    },
     ResetStatsWindow,
+    /// Shutting down: refuse new requests; end those still running after `timeout`.
+    Drain {
+        timeout: Duration,
+    },
 }
 
 /// A cheap, cloneable handle to the engine loop.
@@ -87,6 +95,21 @@ impl EngineHandle {
         let (reply, answer) = oneshot::channel();
         self.commands
             .send(EngineCommand::GetStats { reply })
+            .map_err(|_| EngineError::ShuttingDown)?;
+        answer.await.map_err(|_| EngineError::ShuttingDown)
+    }
+
+    /// Starts a graceful shutdown: new requests are refused (`UNAVAILABLE`) and requests still
+    /// running after `timeout` are ended with `UNAVAILABLE`.
+    pub fn begin_drain(&self, timeout: Duration) {
+        let _ = self.commands.send(EngineCommand::Drain { timeout });
+    }
+
+    /// Switches the scheduling policy from the next iteration on; returns the previous one.
+    pub async fn set_policy(&self, policy: SchedulingPolicy) -> Result<SchedulingPolicy, EngineError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(EngineCommand::SetPolicy { policy, reply })
             .map_err(|_| EngineError::ShuttingDown)?;
         answer.await.map_err(|_| EngineError::ShuttingDown)
     }
@@ -135,7 +158,7 @@ struct Engine {
     last_restart: Instant,
     ready: ReadyInfo,
     tokenizer: Arc<ModelTokenizer>,
-    scheduler: FcfsScheduler,
+    scheduler: Scheduler,
     blocks: BlockManager,
     running: Vec<Sequence>,
     waiting: WaitingQueue,
@@ -143,6 +166,8 @@ struct Engine {
     stats: EngineStats,
     commands: UnboundedReceiver<EngineCommand>,
     commands_open: bool,
+    /// Set once a graceful shutdown began: when the remaining requests are ended.
+    drain_deadline: Option<Instant>,
     next_id: SequenceId,
     step: u64,
 }
@@ -156,12 +181,19 @@ impl Engine {
         queued: Arc<AtomicUsize>,
     ) -> Self {
         let ready = worker.ready().clone();
-        let scheduler = FcfsScheduler::new(SchedulerLimits {
+        let limits = SchedulerLimits {
             max_num_seqs: config.scheduler.max_num_seqs as usize,
             max_num_batched_tokens: config.scheduler.max_num_batched_tokens as usize,
-        });
+        };
+        let scheduler = Scheduler::new(limits, config.scheduler.policy);
+        let block_config = BlockManagerConfig {
+            reserved_block_ratio: config.scheduler.reserved_block_ratio,
+            backpressure_threshold: config.scheduler.backpressure_threshold,
+            prefix_cache: config.scheduler.prefix_cache,
+            prefix_cache_ttl: config.scheduler.prefix_cache_ttl_seconds.map(Duration::from_secs),
+        };
         Self {
-            blocks: BlockManager::new(ready.num_blocks, ready.block_size),
+            blocks: BlockManager::new(ready.num_blocks, ready.block_size, block_config),
             worker: Some(worker),
             last_restart: Instant::now(),
             ready,
@@ -174,6 +206,7 @@ impl Engine {
             stats: EngineStats::default(),
             commands,
             commands_open: true,
+            drain_deadline: None,
             next_id: 1,
             step: 0,
         }
@@ -186,6 +219,13 @@ impl Engine {
                 break;
             }
             self.drop_abandoned();
+            if self.drain_deadline.is_some_and(|deadline| Instant::now() >= deadline) && !self.is_idle() {
+                tracing::warn!(
+                    running = self.running.len(),
+                    "shutdown timeout: ending the remaining requests"
+                );
+                self.fail_all(EngineError::ShuttingDown);
+            }
             if self.is_idle() {
                 continue;
             }
@@ -225,6 +265,11 @@ impl Engine {
     fn handle(&mut self, command: EngineCommand) {
         match command {
             EngineCommand::Submit { request, events } => {
+                if self.drain_deadline.is_some() {
+                    self.queued.fetch_sub(1, Ordering::AcqRel);
+                    let _ = events.send(SequenceEvent::Failed(EngineError::ShuttingDown));
+                    return;
+                }
                 let id = self.next_id;
                 self.next_id += 1;
                 self.waiting.push_back(Sequence::new(id, request, events));
@@ -233,12 +278,21 @@ impl Engine {
                 let snapshot = self.stats.snapshot(
                     self.waiting.len(),
                     self.running.len(),
-                    self.blocks.total(),
-                    self.blocks.num_free(),
+                    &self.blocks,
+                    self.scheduler.policy,
                 );
                 let _ = reply.send(snapshot);
             }
+            EngineCommand::SetPolicy { policy, reply } => {
+                let previous = std::mem::replace(&mut self.scheduler.policy, policy);
+                tracing::info!(?previous, ?policy, "scheduling policy changed");
+                let _ = reply.send(previous);
+            }
             EngineCommand::ResetStatsWindow => self.stats.reset_window(),
+            EngineCommand::Drain { timeout } => {
+                tracing::info!(running = self.running.len(), waiting = self.waiting.len(), "draining");
+                self.drain_deadline = Some(Instant::now() + timeout);
+            }
         }
     }
 
@@ -267,6 +321,7 @@ impl Engine {
     }
 
     fn iterate(&mut self) {
+        self.blocks.expire_cached(Instant::now());
         let plan = self
             .scheduler
             .plan(&mut self.running, &mut self.waiting, &mut self.blocks);
@@ -310,6 +365,8 @@ impl Engine {
         for (slot, scheduled) in plan.seqs.iter().enumerate() {
             let seq = &mut self.running[scheduled.running_index];
             seq.num_computed += scheduled.num_tokens;
+            self.blocks
+                .register_full_blocks(&seq.tokens, seq.num_computed, &seq.blocks, &mut seq.block_hashes);
             if !scheduled.sample {
                 continue;
             }
@@ -361,6 +418,7 @@ impl Engine {
             let usage = Usage {
                 prompt_tokens: seq.prompt_len() as u32,
                 completion_tokens: seq.num_generated() as u32,
+                cached_prompt_tokens: seq.cached_prompt_tokens as u32,
             };
             let last_token = seq.tokens.last().copied().into_iter().collect();
             let _ = seq.events.send(SequenceEvent::Finished {

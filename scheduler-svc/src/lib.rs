@@ -8,12 +8,14 @@
 //! - [`completion`], [`detokenizer`], [`tokenizer`]: text in and out.
 //! - [`worker_client`], [`step_writer`]: the worker process and its shared-memory step buffer.
 
+pub mod admin;
 pub mod block_manager;
 pub mod completion;
 pub mod config;
 pub mod detokenizer;
 pub mod engine;
 pub mod output_text;
+pub mod prefix_cache;
 pub mod queue;
 pub mod request;
 pub mod scheduler;

@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 
 use crate::request::Priority;
-use crate::sequence::Sequence;
+use crate::sequence::{Sequence, SequenceId};
 
 #[derive(Default)]
 pub struct WaitingQueue {
@@ -42,6 +42,19 @@ impl WaitingQueue {
         Priority::ALL_HIGHEST_FIRST
             .iter()
             .find_map(|&p| self.classes[p as usize].pop_front())
+    }
+
+    /// Takes out the sequence with this id, wherever it waits.
+    pub fn remove(&mut self, id: SequenceId) -> Option<Sequence> {
+        self.classes.iter_mut().find_map(|class| {
+            let index = class.iter().position(|seq| seq.id == id)?;
+            class.remove(index)
+        })
+    }
+
+    /// Every waiting sequence, highest class first, FCFS within a class.
+    pub fn iter(&self) -> impl Iterator<Item = &Sequence> {
+        self.classes.iter().rev().flat_map(|class| class.iter())
     }
 
     pub fn retain_mut(&mut self, mut keep: impl FnMut(&mut Sequence) -> bool) {
@@ -91,6 +104,9 @@ mod tests {
         queue.push_front(seq(6, Priority::Normal));
         assert_eq!(queue.len(), 6);
         assert_eq!(queue.front().map(|s| s.id), Some(3));
+        assert_eq!(queue.iter().map(|s| s.id).collect::<Vec<_>>(), vec![3, 5, 6, 1, 4, 2]);
+        assert_eq!(queue.remove(4).map(|s| s.id), Some(4));
+        queue.push_back(seq(4, Priority::Normal));
         let order: Vec<u64> = std::iter::from_fn(|| queue.pop_front()).map(|s| s.id).collect();
         assert_eq!(order, vec![3, 5, 6, 1, 4, 2]);
         assert!(queue.is_empty());

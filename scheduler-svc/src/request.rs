@@ -58,6 +58,7 @@ pub enum FinishReason {
 pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
+    pub cached_prompt_tokens: u32,
 }
 
 /// What the engine sends back on a request's stream.

@@ -1,21 +1,41 @@
-//! Planning one iteration (FCFS): which sequences run, with how many tokens each, under the
-//! limits `max_num_seqs`, `max_num_batched_tokens` and free KV blocks.
+//! Planning one iteration under the limits `max_num_seqs` (sequences in the step),
+//! `max_num_batched_tokens` (tokens in the step) and the KV blocks, by the current policy.
 //!
-//! Running sequences go first, oldest first: a decoding sequence gets one token, a prefilling one
-//! the rest of its prompt up to the remaining token budget (chunked prefill). Waiting sequences
-//! are then admitted in arrival order while the budget, the sequence limit and the free blocks
-//! allow, highest priority class first. When a running sequence needs a block and none is free,
-//! a later running sequence is preempted (lowest priority, then newest): its blocks are freed and it goes back to the front of the waiting queue, to be
-//! recomputed later (its generated tokens are kept, so the client sees nothing).
+//! Sequences are *resident* (admitted: they hold KV blocks, `running`) or *waiting*. Each step the
+//! policy orders the candidates; they are taken in that order while the step has room. A resident
+//! sequence gets one token when decoding, or the rest of its prompt up to the remaining budget
+//! (chunked prefill). A waiting sequence is admitted when the block manager accepts it, reusing
+//! the longest cached prefix. When a candidate needs a block and none is available, a resident
+//! sequence not in this step is preempted (lowest priority, then newest): its blocks are released
+//! and it waits again, to be recomputed later (its generated tokens are kept, so its client sees
+//! nothing). With nothing else to preempt, the candidate itself waits; no state can deadlock
+//! because validation guarantees every request fits the cache alone.
+//!
+//! Policies (DESIGN.md §3):
+//! - `Fair`: resident sequences round-robin (the start rotates each step), then waiting ones by
+//!   priority and arrival.
+//! - `LatencyFirst`: prefills (waiting and partly prefilled) take the budget first, youngest first
+//!   within a priority; then decodes, youngest first.
+//! - `ThroughputFirst`: decodes first, longest sequences first; then prefills; new sequences are
+//!   admitted only while the step has room.
 
-use crate::block_manager::BlockManager;
+use crate::block_manager::{Admission, BlockManager};
 use crate::queue::WaitingQueue;
-use crate::sequence::Sequence;
+use crate::sequence::{Sequence, SequenceId};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchedulerLimits {
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SchedulingPolicy {
+    #[default]
+    Fair,
+    LatencyFirst,
+    ThroughputFirst,
 }
 
 /// One sequence's part of a step: `num_tokens` tokens starting at its `num_computed`.
@@ -37,80 +57,210 @@ pub struct StepPlan {
     pub first_admissions: usize,
 }
 
-pub struct FcfsScheduler {
-    pub limits: SchedulerLimits,
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Candidate {
+    Resident(SequenceId),
+    Waiting(SequenceId),
 }
 
-impl FcfsScheduler {
-    pub fn new(limits: SchedulerLimits) -> Self {
-        Self { limits }
+pub struct Scheduler {
+    pub limits: SchedulerLimits,
+    pub policy: SchedulingPolicy,
+    round_robin: usize,
+}
+
+impl Scheduler {
+    pub fn new(limits: SchedulerLimits, policy: SchedulingPolicy) -> Self {
+        Self {
+            limits,
+            policy,
+            round_robin: 0,
+        }
     }
 
-    /// Plans the next step, allocating the blocks it needs. Moves admitted sequences from
-    /// `waiting` to the end of `running`, and preempted ones from `running` to `waiting`.
-    pub fn plan(&self, running: &mut Vec<Sequence>, waiting: &mut WaitingQueue, blocks: &mut BlockManager) -> StepPlan {
+    /// Plans the next step, allocating the blocks it needs. Admitted sequences move from
+    /// `waiting` to the end of `running`, preempted ones from `running` to `waiting`.
+    pub fn plan(
+        &mut self,
+        running: &mut Vec<Sequence>,
+        waiting: &mut WaitingQueue,
+        blocks: &mut BlockManager,
+    ) -> StepPlan {
         let mut plan = StepPlan::default();
         let mut budget = self.limits.max_num_batched_tokens;
-        let mut index = 0;
-        while index < running.len() {
-            if budget == 0 {
+        let mut in_step: Vec<(SequenceId, usize)> = Vec::new();
+        let mut admission_blocked = false;
+        for candidate in self.order(running, waiting) {
+            if budget == 0 || in_step.len() >= self.limits.max_num_seqs {
                 break;
             }
-            let num_tokens = running[index].num_uncomputed().min(budget);
-            if num_tokens == 0 {
-                index += 1;
-                continue;
+            match candidate {
+                Candidate::Resident(id) => {
+                    let Some(index) = running.iter().position(|s| s.id == id) else {
+                        continue;
+                    };
+                    let num_tokens = running[index].num_uncomputed().min(budget);
+                    if num_tokens == 0 {
+                        continue;
+                    }
+                    if !make_room(running, index, num_tokens, &in_step, waiting, blocks, &mut plan) {
+                        continue;
+                    }
+                    in_step.push((id, num_tokens));
+                    budget -= num_tokens;
+                }
+                Candidate::Waiting(id) => {
+                    // No admissions in a step that had to preempt: that would only thrash.
+                    if admission_blocked || plan.preempted > 0 {
+                        continue;
+                    }
+                    match admit(id, running, waiting, blocks, budget) {
+                        Some((num_tokens, first_time)) => {
+                            plan.first_admissions += usize::from(first_time);
+                            in_step.push((id, num_tokens));
+                            budget -= num_tokens;
+                        }
+                        // Within a priority order, the next waiting sequence does not jump ahead.
+                        None => admission_blocked = true,
+                    }
+                }
             }
-            // Make room by preempting the newest sequences not yet in this step.
-            let mut fits = grow(&mut running[index], num_tokens, blocks);
-            while !fits && running.len() - 1 > index {
-                let victim = choose_victim(running, index + 1);
-                let mut victim = running.remove(victim);
-                preempt(&mut victim, blocks);
-                waiting.push_front(victim);
-                plan.preempted += 1;
-                fits = grow(&mut running[index], num_tokens, blocks);
-            }
-            if !fits {
-                // Not even alone does it fit now: it waits, with its blocks freed for others.
-                let mut seq = running.remove(index);
-                preempt(&mut seq, blocks);
-                waiting.push_front(seq);
-                plan.preempted += 1;
-                continue;
-            }
-            plan.push(index, num_tokens, &running[index]);
-            budget -= num_tokens;
-            index += 1;
         }
-
-        // Admit waiting sequences in arrival order. Only after preemption-free planning of the
-        // running ones, and only if their whole history fits now, so admission cannot cause a
-        // preemption in the same step.
-        if plan.preempted == 0 {
-            while budget > 0 && running.len() < self.limits.max_num_seqs {
-                let Some(next) = waiting.front() else { break };
-                let history_blocks = blocks.blocks_for(next.tokens.len() + 1);
-                if history_blocks > blocks.num_free() {
-                    break;
-                }
-                let Some(mut seq) = waiting.pop_front() else { break };
-                let num_tokens = seq.num_uncomputed().min(budget);
-                if !grow(&mut seq, num_tokens, blocks) {
-                    waiting.push_front(seq);
-                    break;
-                }
-                if !seq.admitted_once {
-                    seq.admitted_once = true;
-                    plan.first_admissions += 1;
-                }
-                running.push(seq);
-                let index = running.len() - 1;
+        for (id, num_tokens) in in_step {
+            if let Some(index) = running.iter().position(|s| s.id == id) {
                 plan.push(index, num_tokens, &running[index]);
-                budget -= num_tokens;
             }
+        }
+        if self.policy == SchedulingPolicy::Fair && !running.is_empty() {
+            self.round_robin = (self.round_robin + plan.seqs.len()) % running.len();
         }
         plan
+    }
+
+    /// The candidates of this step, in the policy's order.
+    fn order(&self, running: &[Sequence], waiting: &WaitingQueue) -> Vec<Candidate> {
+        let queued = waiting.iter().map(|s| Candidate::Waiting(s.id));
+        match self.policy {
+            SchedulingPolicy::Fair => {
+                let start = if running.is_empty() {
+                    0
+                } else {
+                    self.round_robin % running.len()
+                };
+                let rotated = running[start..].iter().chain(&running[..start]);
+                rotated.map(|s| Candidate::Resident(s.id)).chain(queued).collect()
+            }
+            SchedulingPolicy::LatencyFirst => {
+                // (is decode, priority descending, youngest first)
+                let mut all: Vec<(bool, std::cmp::Reverse<_>, std::cmp::Reverse<SequenceId>, Candidate)> = running
+                    .iter()
+                    .map(|s| {
+                        (
+                            s.num_uncomputed() == 1,
+                            std::cmp::Reverse(s.request.priority),
+                            std::cmp::Reverse(s.id),
+                            Candidate::Resident(s.id),
+                        )
+                    })
+                    .chain(waiting.iter().map(|s| {
+                        (
+                            false,
+                            std::cmp::Reverse(s.request.priority),
+                            std::cmp::Reverse(s.id),
+                            Candidate::Waiting(s.id),
+                        )
+                    }))
+                    .collect();
+                all.sort_by_key(|(decode, priority, age, _)| (*decode, *priority, *age));
+                all.into_iter().map(|(_, _, _, candidate)| candidate).collect()
+            }
+            SchedulingPolicy::ThroughputFirst => {
+                let mut resident: Vec<&Sequence> = running.iter().collect();
+                // Decodes before prefills; longest first; then oldest first.
+                resident.sort_by_key(|s| (s.num_uncomputed() != 1, std::cmp::Reverse(s.tokens.len()), s.id));
+                resident
+                    .into_iter()
+                    .map(|s| Candidate::Resident(s.id))
+                    .chain(queued)
+                    .collect()
+            }
+        }
+    }
+}
+
+/// Admits waiting sequence `id` if the block manager accepts it: reuses its cached prefix,
+/// allocates blocks for its first chunk and moves it to `running`. Returns its tokens in this step
+/// and whether this is its first admission.
+fn admit(
+    id: SequenceId,
+    running: &mut Vec<Sequence>,
+    waiting: &mut WaitingQueue,
+    blocks: &mut BlockManager,
+    budget: usize,
+) -> Option<(usize, bool)> {
+    let mut seq = waiting.remove(id)?;
+    let prefix = blocks.match_prefix(&seq.tokens);
+    seq.blocks = prefix.blocks;
+    seq.block_hashes = prefix.hashes;
+    seq.num_computed = prefix.tokens;
+    if !seq.admitted_once {
+        seq.cached_prompt_tokens = prefix.tokens.min(seq.prompt_len());
+    }
+    // Room for the rest of its history and a first block of output.
+    let expected = seq.tokens.len() + (blocks.block_size() as usize).min(seq.request.stopping.max_new_tokens as usize);
+    let new_blocks = blocks.blocks_for(expected).saturating_sub(seq.blocks.len() as u32);
+    let num_tokens = seq.num_uncomputed().min(budget);
+    let accepted = matches!(
+        blocks.admission(new_blocks, !running.is_empty()),
+        Admission::Accepted { .. }
+    );
+    if !accepted || !grow(&mut seq, num_tokens, blocks) {
+        blocks.release(&mut seq.blocks);
+        seq.block_hashes.clear();
+        seq.num_computed = 0;
+        waiting.push_front(seq);
+        return None;
+    }
+    let first_time = !seq.admitted_once;
+    seq.admitted_once = true;
+    running.push(seq);
+    Some((num_tokens, first_time))
+}
+
+/// Gives `running[index]` the blocks for `num_tokens` more tokens, preempting resident sequences
+/// that are not in this step if needed. False when it does not fit even so: then it was
+/// preempted itself.
+fn make_room(
+    running: &mut Vec<Sequence>,
+    index: usize,
+    num_tokens: usize,
+    in_step: &[(SequenceId, usize)],
+    waiting: &mut WaitingQueue,
+    blocks: &mut BlockManager,
+    plan: &mut StepPlan,
+) -> bool {
+    let id = running[index].id;
+    loop {
+        let Some(index) = running.iter().position(|s| s.id == id) else {
+            return false;
+        };
+        if grow(&mut running[index], num_tokens, blocks) {
+            return true;
+        }
+        let victim = running
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.id != id && !in_step.iter().any(|(scheduled, _)| *scheduled == s.id))
+            .min_by_key(|(_, s)| (s.request.priority, std::cmp::Reverse(s.id)))
+            .map(|(i, _)| i)
+            .unwrap_or(index);
+        let mut seq = running.remove(victim);
+        preempt(&mut seq, blocks);
+        waiting.push_front(seq);
+        plan.preempted += 1;
+        if victim == index {
+            return false;
+        }
     }
 }
 
@@ -124,13 +274,6 @@ impl StepPlan {
         });
         self.num_tokens += num_tokens;
     }
-}
-
-/// Among `running[from..]`, the lowest priority, then the newest.
-fn choose_victim(running: &[Sequence], from: usize) -> usize {
-    (from..running.len())
-        .min_by_key(|&i| (running[i].request.priority, std::cmp::Reverse(running[i].id)))
-        .unwrap_or(running.len() - 1)
 }
 
 /// Gives `seq` the blocks to hold `num_tokens` more tokens; false (and nothing taken) if too few.
@@ -153,163 +296,9 @@ fn grow(seq: &mut Sequence, num_tokens: usize, blocks: &mut BlockManager) -> boo
 /// Frees a sequence's KV; it will be recomputed from its tokens.
 pub fn preempt(seq: &mut Sequence, blocks: &mut BlockManager) {
     blocks.release(&mut seq.blocks);
+    seq.block_hashes.clear();
     seq.num_computed = 0;
 }
 
 #[cfg(test)]
-mod tests {
-    use tokio::sync::mpsc;
-
-    use super::*;
-    use crate::request::{GenerationRequest, Priority, SamplingParams, SequenceEvent, StoppingParams};
-
-    fn seq(id: u64, prompt_len: usize) -> (Sequence, mpsc::UnboundedReceiver<SequenceEvent>) {
-        seq_with_priority(id, prompt_len, Priority::Normal)
-    }
-
-    fn seq_with_priority(
-        id: u64,
-        prompt_len: usize,
-        priority: Priority,
-    ) -> (Sequence, mpsc::UnboundedReceiver<SequenceEvent>) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let request = GenerationRequest {
-            prompt_ids: vec![1; prompt_len],
-            sampling: SamplingParams { temperature: 0.0 },
-            stopping: StoppingParams {
-                max_new_tokens: 8,
-                ..Default::default()
-            },
-            priority,
-        };
-        (Sequence::new(id, request, tx), rx)
-    }
-
-    fn finish_step(running: &mut [Sequence], plan: &StepPlan) {
-        for scheduled in &plan.seqs {
-            let seq = &mut running[scheduled.running_index];
-            seq.num_computed += scheduled.num_tokens;
-            if scheduled.sample {
-                seq.tokens.push(7);
-            }
-        }
-    }
-
-    #[test]
-    fn long_prompts_are_chunked_under_the_token_budget_beside_decodes() {
-        let scheduler = FcfsScheduler::new(SchedulerLimits {
-            max_num_seqs: 4,
-            max_num_batched_tokens: 10,
-        });
-        let mut blocks = BlockManager::new(100, 4);
-        let (short, _a) = seq(1, 3);
-        let (long, _b) = seq(2, 25);
-        let mut running = Vec::new();
-        let mut waiting = WaitingQueue::default();
-        waiting.push_back(short);
-        waiting.push_back(long);
-
-        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
-        assert_eq!(
-            plan.seqs.iter().map(|s| (s.num_tokens, s.sample)).collect::<Vec<_>>(),
-            vec![(3, true), (7, false)]
-        );
-        finish_step(&mut running, &plan);
-
-        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
-        assert_eq!(
-            plan.seqs.iter().map(|s| (s.num_tokens, s.sample)).collect::<Vec<_>>(),
-            vec![(1, true), (9, false)]
-        );
-        finish_step(&mut running, &plan);
-
-        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
-        assert_eq!(
-            plan.seqs.iter().map(|s| (s.num_tokens, s.sample)).collect::<Vec<_>>(),
-            vec![(1, true), (9, true)]
-        );
-        assert_eq!(running[1].blocks.len(), 7, "25 tokens in 4-token blocks");
-    }
-
-    #[test]
-    fn a_sequence_that_needs_a_block_preempts_the_newest_and_blocks_return() {
-        let scheduler = FcfsScheduler::new(SchedulerLimits {
-            max_num_seqs: 4,
-            max_num_batched_tokens: 64,
-        });
-        let mut blocks = BlockManager::new(4, 4);
-        let (a, _a) = seq(1, 4);
-        let (b, _b) = seq(2, 4);
-        let mut running = Vec::new();
-        let mut waiting = WaitingQueue::default();
-        waiting.push_back(a);
-        waiting.push_back(b);
-        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
-        assert_eq!(plan.seqs.len(), 2);
-        finish_step(&mut running, &plan);
-        // Both now need a second block; 2 are free.
-        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
-        assert_eq!(plan.preempted, 0);
-        finish_step(&mut running, &plan);
-        // Fill the second blocks (4 tokens each) until a third is needed: only 0 free.
-        for _ in 0..3 {
-            let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
-            finish_step(&mut running, &plan);
-        }
-        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
-        assert_eq!(plan.preempted, 1);
-        assert_eq!(running.len(), 1);
-        assert_eq!(
-            waiting.front().map(|s| (s.id, s.num_computed, s.blocks.len())),
-            Some((2, 0, 0))
-        );
-        let in_use: usize = running.iter().map(|s| s.blocks.len()).sum();
-        assert_eq!(in_use + blocks.num_free() as usize, 4, "no block leaked");
-    }
-
-    #[test]
-    fn admission_respects_the_sequence_limit_in_arrival_order() {
-        let scheduler = FcfsScheduler::new(SchedulerLimits {
-            max_num_seqs: 2,
-            max_num_batched_tokens: 64,
-        });
-        let mut blocks = BlockManager::new(100, 4);
-        let mut waiting = WaitingQueue::default();
-        (1..=3).for_each(|id| waiting.push_back(seq(id, 2).0));
-        let mut running = Vec::new();
-        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
-        assert_eq!(plan.seqs.len(), 2);
-        assert_eq!(running.iter().map(|s| s.id).collect::<Vec<_>>(), vec![1, 2]);
-        assert_eq!(waiting.front().map(|s| s.id), Some(3));
-    }
-
-    #[test]
-    fn the_victim_is_the_lowest_priority_then_the_newest() {
-        let scheduler = FcfsScheduler::new(SchedulerLimits {
-            max_num_seqs: 4,
-            max_num_batched_tokens: 64,
-        });
-        let mut blocks = BlockManager::new(6, 4);
-        let mut waiting = WaitingQueue::default();
-        let mut receivers = Vec::new();
-        for (id, priority) in [(1, Priority::High), (2, Priority::Low), (3, Priority::Normal)] {
-            let (seq, rx) = seq_with_priority(id, 4, priority);
-            waiting.push_back(seq);
-            receivers.push(rx);
-        }
-        let mut running = Vec::new();
-        for _ in 0..10 {
-            let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
-            finish_step(&mut running, &plan);
-            if plan.preempted > 0 {
-                break;
-            }
-        }
-        assert_eq!(
-            waiting.front().map(|s| s.id),
-            Some(2),
-            "the LOW sequence was preempted first"
-        );
-        assert!(running.iter().any(|s| s.id == 1));
-    }
-}
+mod tests;

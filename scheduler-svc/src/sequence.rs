@@ -18,6 +18,10 @@ pub struct Sequence {
     pub num_computed: usize,
     /// KV blocks holding this sequence's tokens, in order.
     pub blocks: Vec<u32>,
+    /// Prefix-cache chain hashes of the full blocks offered to the cache so far.
+    pub block_hashes: Vec<u64>,
+    /// Prompt tokens served from the prefix cache at first admission.
+    pub cached_prompt_tokens: usize,
     pub detokenizer: IncrementalDetokenizer,
     /// Stop strings and the character limit, applied to the detokenized text.
     pub output: OutputText,
@@ -42,6 +46,8 @@ impl Sequence {
             request,
             num_computed: 0,
             blocks: Vec::new(),
+            block_hashes: Vec::new(),
+            cached_prompt_tokens: 0,
             detokenizer: IncrementalDetokenizer::default(),
             events,
         }

@@ -3,11 +3,16 @@
 
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use rivulet::proto;
+use rivulet::proto::admin_server::AdminServer;
+use rivulet::proto::generation_server::GenerationServer;
 use rivulet_gguf::GgufFile;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Server;
 
+use crate::admin::AdminService;
 use crate::config::Config;
 use crate::engine;
 use crate::service::GenerationService;
@@ -26,7 +31,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
-        .set_serving::<proto::generation_server::GenerationServer<GenerationService>>()
+        .set_serving::<GenerationServer<GenerationService>>()
         .await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
@@ -39,27 +44,40 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     println!("rivulet-scheduler listening on {address}");
     tracing::info!(%address, model = %config.model.path.display(), "serving");
 
-    let service = GenerationService::new(
-        engine,
+    let generation = GenerationService::new(
+        engine.clone(),
         tokenizer,
         config.scheduler.default_max_new_tokens,
         config.scheduler.default_stop_strings.clone(),
     );
+    let admin = AdminService::new(engine.clone());
+    let shutdown_timeout = Duration::from_secs(config.server.shutdown_timeout_secs);
+    let shutdown = async move {
+        shutdown_signal().await;
+        // Probes see NOT_SERVING at once; the engine refuses new work and bounds the drain.
+        health_reporter
+            .set_not_serving::<GenerationServer<GenerationService>>()
+            .await;
+        health_reporter
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
+        engine.begin_drain(shutdown_timeout);
+    };
     Server::builder()
         .add_service(health_service)
         .add_service(reflection)
-        .add_service(proto::generation_server::GenerationServer::new(service))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown_signal())
+        .add_service(GenerationServer::new(generation))
+        .add_service(AdminServer::new(admin))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
         .await?;
 
     tracing::info!("server stopped; waiting for the engine to finish");
-    // The service (and its engine handle) is gone, so the engine drains and stops the worker.
+    // Every engine handle is gone with the services, so the engine stops its worker and exits.
     tokio::task::spawn_blocking(move || engine_thread.join())
         .await?
         .map_err(|_| anyhow::anyhow!("engine thread panicked"))?;
     Ok(())
 }
-
 async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;

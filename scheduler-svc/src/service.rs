@@ -283,5 +283,6 @@ fn proto_usage(usage: Usage) -> proto::Usage {
     proto::Usage {
         prompt_tokens: usage.prompt_tokens,
         completion_tokens: usage.completion_tokens,
+        cached_prompt_tokens: usage.cached_prompt_tokens,
     }
 }

@@ -2,6 +2,9 @@
 
 use std::time::Instant;
 
+use crate::block_manager::BlockManager;
+use crate::scheduler::SchedulingPolicy;
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct StatsSnapshot {
     pub total_tokens_generated: u64,
@@ -13,10 +16,13 @@ pub struct StatsSnapshot {
     pub kv_blocks_total: u32,
     pub kv_blocks_used: u32,
     pub kv_blocks_free: u32,
-    /// 1 − free / total.
+    pub kv_blocks_cached: u32,
+    /// 1 − (free + cached) / total.
     pub memory_pressure: f64,
+    pub prefix_cache_hit_rate: f64,
     pub num_preemptions: u64,
     pub iterations: u64,
+    pub policy: SchedulingPolicy,
 }
 
 #[derive(Debug)]
@@ -56,30 +62,30 @@ impl EngineStats {
         &self,
         num_waiting: usize,
         num_running: usize,
-        blocks_total: u32,
-        blocks_free: u32,
+        blocks: &BlockManager,
+        policy: SchedulingPolicy,
     ) -> StatsSnapshot {
         let window_seconds = self.window_start.elapsed().as_secs_f64();
+        let tokens_per_second = if window_seconds > 0.0 {
+            self.window_tokens as f64 / window_seconds
+        } else {
+            0.0
+        };
         StatsSnapshot {
             total_tokens_generated: self.total_tokens_generated,
-            tokens_per_second: if window_seconds > 0.0 {
-                self.window_tokens as f64 / window_seconds
-            } else {
-                0.0
-            },
+            tokens_per_second,
             window_seconds,
             num_waiting: num_waiting as u32,
             num_running: num_running as u32,
-            kv_blocks_total: blocks_total,
-            kv_blocks_used: blocks_total - blocks_free,
-            kv_blocks_free: blocks_free,
-            memory_pressure: if blocks_total == 0 {
-                0.0
-            } else {
-                1.0 - f64::from(blocks_free) / f64::from(blocks_total)
-            },
+            kv_blocks_total: blocks.total(),
+            kv_blocks_used: blocks.num_used(),
+            kv_blocks_free: blocks.num_free(),
+            kv_blocks_cached: blocks.num_cached(),
+            memory_pressure: blocks.memory_pressure(),
+            prefix_cache_hit_rate: blocks.prefix_cache_hit_rate(),
             num_preemptions: self.num_preemptions,
             iterations: self.iterations,
+            policy,
         }
     }
 }

@@ -1,0 +1,93 @@
+//! The `rivulet.v1.Admin` gRPC service: statistics, the scheduling policy, the stats window.
+
+use rivulet::proto;
+use rivulet::proto::admin_server::Admin;
+use tonic::{Request, Response, Status};
+
+use crate::engine::EngineHandle;
+use crate::scheduler::SchedulingPolicy;
+use crate::stats::StatsSnapshot;
+
+pub struct AdminService {
+    engine: EngineHandle,
+}
+
+impl AdminService {
+    pub fn new(engine: EngineHandle) -> Self {
+        Self { engine }
+    }
+}
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    async fn get_stats(&self, _: Request<proto::GetStatsRequest>) -> Result<Response<proto::GetStatsResponse>, Status> {
+        let stats = self
+            .engine
+            .stats()
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(Response::new(proto_stats(&stats)))
+    }
+
+    async fn set_scheduling_policy(
+        &self,
+        request: Request<proto::SetSchedulingPolicyRequest>,
+    ) -> Result<Response<proto::SetSchedulingPolicyResponse>, Status> {
+        let requested = request.into_inner().policy;
+        let policy = match proto::SchedulingPolicy::try_from(requested) {
+            Ok(proto::SchedulingPolicy::Fair) => SchedulingPolicy::Fair,
+            Ok(proto::SchedulingPolicy::LatencyFirst) => SchedulingPolicy::LatencyFirst,
+            Ok(proto::SchedulingPolicy::ThroughputFirst) => SchedulingPolicy::ThroughputFirst,
+            Ok(proto::SchedulingPolicy::Unspecified) | Err(_) => {
+                return Err(Status::invalid_argument(format!(
+                    "policy: {requested} is not FAIR, LATENCY_FIRST or THROUGHPUT_FIRST"
+                )))
+            }
+        };
+        let previous = self
+            .engine
+            .set_policy(policy)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(Response::new(proto::SetSchedulingPolicyResponse {
+            previous: proto_policy(previous) as i32,
+        }))
+    }
+
+    async fn reset_stats_window(
+        &self,
+        _: Request<proto::ResetStatsWindowRequest>,
+    ) -> Result<Response<proto::ResetStatsWindowResponse>, Status> {
+        self.engine
+            .reset_stats_window()
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        Ok(Response::new(proto::ResetStatsWindowResponse {}))
+    }
+}
+
+fn proto_policy(policy: SchedulingPolicy) -> proto::SchedulingPolicy {
+    match policy {
+        SchedulingPolicy::Fair => proto::SchedulingPolicy::Fair,
+        SchedulingPolicy::LatencyFirst => proto::SchedulingPolicy::LatencyFirst,
+        SchedulingPolicy::ThroughputFirst => proto::SchedulingPolicy::ThroughputFirst,
+    }
+}
+
+fn proto_stats(stats: &StatsSnapshot) -> proto::GetStatsResponse {
+    proto::GetStatsResponse {
+        total_tokens_generated: stats.total_tokens_generated,
+        tokens_per_second: stats.tokens_per_second,
+        window_seconds: stats.window_seconds,
+        scheduling_policy: proto_policy(stats.policy) as i32,
+        num_waiting: stats.num_waiting,
+        num_running: stats.num_running,
+        kv_blocks_total: stats.kv_blocks_total,
+        kv_blocks_used: stats.kv_blocks_used,
+        kv_blocks_free: stats.kv_blocks_free,
+        kv_blocks_cached: stats.kv_blocks_cached,
+        memory_pressure: stats.memory_pressure,
+        prefix_cache_hit_rate: stats.prefix_cache_hit_rate,
+        num_preemptions: stats.num_preemptions,
+        iterations: stats.iterations,
+    }
+}

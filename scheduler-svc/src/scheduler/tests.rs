@@ -1,0 +1,210 @@
+use tokio::sync::mpsc;
+
+use super::*;
+use crate::block_manager::BlockManagerConfig;
+use crate::request::{GenerationRequest, Priority, SamplingParams, SequenceEvent, StoppingParams};
+
+type Receivers = Vec<mpsc::UnboundedReceiver<SequenceEvent>>;
+
+fn seq(id: u64, prompt_len: usize, priority: Priority, receivers: &mut Receivers) -> Sequence {
+    let (tx, rx) = mpsc::unbounded_channel();
+    receivers.push(rx);
+    let request = GenerationRequest {
+        prompt_ids: (0..prompt_len as u32).map(|t| t + id as u32 * 1000).collect(),
+        sampling: SamplingParams { temperature: 0.0 },
+        stopping: StoppingParams {
+            max_new_tokens: 8,
+            ..Default::default()
+        },
+        priority,
+    };
+    Sequence::new(id, request, tx)
+}
+
+fn blocks(total: u32, block_size: u32) -> BlockManager {
+    let config = BlockManagerConfig {
+        reserved_block_ratio: 0.0,
+        backpressure_threshold: 1.0,
+        ..Default::default()
+    };
+    BlockManager::new(total, block_size, config)
+}
+
+fn scheduler(max_num_seqs: usize, max_num_batched_tokens: usize, policy: SchedulingPolicy) -> Scheduler {
+    Scheduler::new(
+        SchedulerLimits {
+            max_num_seqs,
+            max_num_batched_tokens,
+        },
+        policy,
+    )
+}
+
+/// Applies a plan as the engine would, sampling token 7 where asked.
+fn finish_step(running: &mut [Sequence], plan: &StepPlan) {
+    for scheduled in &plan.seqs {
+        let seq = &mut running[scheduled.running_index];
+        seq.num_computed += scheduled.num_tokens;
+        if scheduled.sample {
+            seq.tokens.push(7);
+        }
+    }
+}
+
+fn shape(plan: &StepPlan, running: &[Sequence]) -> Vec<(u64, usize, bool)> {
+    plan.seqs
+        .iter()
+        .map(|s| (running[s.running_index].id, s.num_tokens, s.sample))
+        .collect()
+}
+
+#[test]
+fn long_prompts_are_chunked_under_the_token_budget_beside_decodes() {
+    let mut r = Vec::new();
+    let mut scheduler = scheduler(4, 10, SchedulingPolicy::Fair);
+    let mut blocks = blocks(100, 4);
+    let mut waiting = WaitingQueue::default();
+    waiting.push_back(seq(1, 3, Priority::Normal, &mut r));
+    waiting.push_back(seq(2, 25, Priority::Normal, &mut r));
+    let mut running = Vec::new();
+
+    let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+    assert_eq!(shape(&plan, &running), vec![(1, 3, true), (2, 7, false)]);
+    finish_step(&mut running, &plan);
+    let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+    let mut got = shape(&plan, &running);
+    got.sort_unstable();
+    assert_eq!(got, vec![(1, 1, true), (2, 9, false)]);
+    finish_step(&mut running, &plan);
+    let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+    let mut got = shape(&plan, &running);
+    got.sort_unstable();
+    assert_eq!(got, vec![(1, 1, true), (2, 9, true)]);
+}
+
+#[test]
+fn the_victim_is_the_lowest_priority_then_the_newest_and_no_block_leaks() {
+    let mut r = Vec::new();
+    let mut scheduler = scheduler(4, 64, SchedulingPolicy::Fair);
+    let mut blocks = blocks(6, 4);
+    let mut waiting = WaitingQueue::default();
+    waiting.push_back(seq(1, 4, Priority::High, &mut r));
+    waiting.push_back(seq(2, 4, Priority::Low, &mut r));
+    waiting.push_back(seq(3, 4, Priority::Normal, &mut r));
+    let mut running = Vec::new();
+    let mut preempted = 0;
+    for _ in 0..10 {
+        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+        finish_step(&mut running, &plan);
+        let held: u32 = running.iter().map(|s| s.blocks.len() as u32).sum();
+        assert_eq!(held + blocks.num_available(), 6, "every block is held or available");
+        if plan.preempted > 0 {
+            preempted = plan.preempted;
+            break;
+        }
+    }
+    assert_eq!(preempted, 1);
+    assert_eq!(
+        waiting.front().map(|s| (s.id, s.num_computed, s.blocks.len())),
+        Some((2, 0, 0))
+    );
+}
+
+#[test]
+fn admission_follows_priority_then_arrival_and_the_sequence_limit() {
+    let mut r = Vec::new();
+    let mut scheduler = scheduler(2, 64, SchedulingPolicy::Fair);
+    let mut blocks = blocks(100, 4);
+    let mut waiting = WaitingQueue::default();
+    waiting.push_back(seq(1, 2, Priority::Normal, &mut r));
+    waiting.push_back(seq(2, 2, Priority::Low, &mut r));
+    waiting.push_back(seq(3, 2, Priority::Critical, &mut r));
+    let mut running = Vec::new();
+    let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+    assert_eq!(
+        shape(&plan, &running).iter().map(|s| s.0).collect::<Vec<_>>(),
+        vec![3, 1]
+    );
+    assert_eq!(plan.first_admissions, 2);
+    assert_eq!(waiting.front().map(|s| s.id), Some(2));
+}
+
+#[test]
+fn fair_rotates_when_more_sequences_are_resident_than_fit_a_step() {
+    let mut r = Vec::new();
+    let mut scheduler = scheduler(2, 64, SchedulingPolicy::Fair);
+    let mut blocks = blocks(100, 4);
+    let mut waiting = WaitingQueue::default();
+    let mut running: Vec<Sequence> = (1..=3).map(|id| seq(id, 2, Priority::Normal, &mut r)).collect();
+    for s in &mut running {
+        s.blocks = blocks.allocate(1).expect("block");
+        s.num_computed = 2;
+        s.tokens.push(7);
+    }
+    let mut served = Vec::new();
+    for _ in 0..3 {
+        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+        served.extend(shape(&plan, &running).iter().map(|s| s.0));
+        finish_step(&mut running, &plan);
+    }
+    served.sort_unstable();
+    assert_eq!(served, vec![1, 1, 2, 2, 3, 3], "each sequence got two of the six slots");
+}
+
+#[test]
+fn latency_first_prefills_the_youngest_first_and_throughput_first_keeps_decoding() {
+    for (policy, expected_first) in [
+        (SchedulingPolicy::LatencyFirst, 4),
+        (SchedulingPolicy::ThroughputFirst, 1),
+    ] {
+        let mut r = Vec::new();
+        let mut scheduler = scheduler(1, 64, policy);
+        let mut blocks = blocks(100, 4);
+        let mut waiting = WaitingQueue::default();
+        let mut running = vec![seq(1, 2, Priority::Normal, &mut r)];
+        running[0].blocks = blocks.allocate(1).expect("block");
+        running[0].num_computed = 2;
+        running[0].tokens.push(7);
+        for id in 2..=4 {
+            waiting.push_back(seq(id, 3, Priority::Normal, &mut r));
+        }
+        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+        assert_eq!(shape(&plan, &running)[0].0, expected_first, "{policy:?}");
+        if policy == SchedulingPolicy::LatencyFirst {
+            finish_step(&mut running, &plan);
+            let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+            assert_eq!(shape(&plan, &running)[0].0, 3, "then the next youngest");
+        } else {
+            assert_eq!(waiting.len(), 3, "no prefill while the decode batch is full");
+        }
+    }
+}
+
+#[test]
+fn a_second_sequence_reuses_the_first_ones_cached_prefix() {
+    let mut r = Vec::new();
+    let mut scheduler = scheduler(4, 64, SchedulingPolicy::Fair);
+    let mut blocks = blocks(100, 4);
+    let mut waiting = WaitingQueue::default();
+    let first = seq(1, 10, Priority::Normal, &mut r);
+    let prompt = first.tokens.clone();
+    waiting.push_back(first);
+    let mut running = Vec::new();
+    let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+    finish_step(&mut running, &plan);
+    let seq0 = &mut running[0];
+    blocks.register_full_blocks(&seq0.tokens, seq0.num_computed, &seq0.blocks, &mut seq0.block_hashes);
+
+    let mut second = seq(2, 0, Priority::Normal, &mut r);
+    second.tokens = prompt.clone();
+    second.request.prompt_ids = prompt;
+    waiting.push_back(second);
+    let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+    let second = running.iter().find(|s| s.id == 2).expect("admitted");
+    assert_eq!(second.cached_prompt_tokens, 8, "two full blocks of four");
+    assert_eq!(second.blocks[..2], running[0].blocks[..2]);
+    assert!(
+        shape(&plan, &running).contains(&(2, 2, true)),
+        "only the last two prompt tokens are computed"
+    );
+}
