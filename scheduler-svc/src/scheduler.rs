@@ -12,8 +12,8 @@
 //! because validation guarantees every request fits the cache alone.
 //!
 //! Policies (DESIGN.md §3):
-//! - `Fair`: resident sequences round-robin (the start rotates each step), then waiting ones by
-//!   priority and arrival.
+//! - `Fair`: resident sequences, then waiting ones by priority and arrival, as one ring whose
+//!   start rotates each step (round-robin when more are runnable than `max_num_seqs`).
 //! - `LatencyFirst`: prefills (waiting and partly prefilled) take the budget first, youngest first
 //!   within a priority; then decodes, youngest first.
 //! - `ThroughputFirst`: decodes first, longest sequences first; then prefills; new sequences are
@@ -131,8 +131,13 @@ impl Scheduler {
                 plan.push(index, num_tokens, &running[index]);
             }
         }
-        if self.policy == SchedulingPolicy::Fair && !running.is_empty() {
-            self.round_robin = (self.round_robin + plan.seqs.len()) % running.len();
+        if self.policy == SchedulingPolicy::Fair {
+            let ring = running.len() + waiting.len();
+            self.round_robin = if ring == 0 {
+                0
+            } else {
+                (self.round_robin + plan.seqs.len()) % ring
+            };
         }
         plan
     }
@@ -142,13 +147,20 @@ impl Scheduler {
         let queued = waiting.iter().map(|s| Candidate::Waiting(s.id));
         match self.policy {
             SchedulingPolicy::Fair => {
-                let start = if running.is_empty() {
+                // One ring of resident then waiting sequences; each step starts where the last
+                // one stopped, so waiting requests get their turn even when the resident ones
+                // alone could fill every step.
+                let ring: Vec<Candidate> = running
+                    .iter()
+                    .map(|s| Candidate::Resident(s.id))
+                    .chain(queued)
+                    .collect();
+                let start = if ring.is_empty() {
                     0
                 } else {
-                    self.round_robin % running.len()
+                    self.round_robin % ring.len()
                 };
-                let rotated = running[start..].iter().chain(&running[..start]);
-                rotated.map(|s| Candidate::Resident(s.id)).chain(queued).collect()
+                ring[start..].iter().chain(&ring[..start]).copied().collect()
             }
             SchedulingPolicy::LatencyFirst => {
                 // (is decode, priority descending, youngest first)

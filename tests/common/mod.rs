@@ -9,6 +9,7 @@ use std::sync::mpsc;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use rivulet::proto::admin_client::AdminClient;
 use rivulet::proto::generation_client::GenerationClient;
 use rivulet::proto::{GenerateRequest, SamplingParams, StoppingCriteria};
 use tonic::transport::Channel;
@@ -88,6 +89,17 @@ impl TestServer {
         GenerationClient::connect(format!("http://{}", self.address))
             .await
             .expect("connect")
+    }
+
+    pub async fn admin(&self) -> AdminClient<Channel> {
+        AdminClient::connect(format!("http://{}", self.address))
+            .await
+            .expect("connect admin")
+    }
+
+    pub async fn stats(&self) -> rivulet::proto::GetStatsResponse {
+        let request = rivulet::proto::GetStatsRequest {};
+        self.admin().await.get_stats(request).await.expect("stats").into_inner()
     }
 
     /// Sends SIGTERM and waits for the process to exit.

@@ -208,3 +208,25 @@ fn a_second_sequence_reuses_the_first_ones_cached_prefix() {
         "only the last two prompt tokens are computed"
     );
 }
+
+#[test]
+fn fair_gives_waiting_requests_a_turn_in_arrival_order_when_the_step_is_full() {
+    let mut r = Vec::new();
+    let mut scheduler = scheduler(1, 64, SchedulingPolicy::Fair);
+    let mut blocks = blocks(100, 4);
+    let mut waiting = WaitingQueue::default();
+    let mut running = vec![seq(1, 2, Priority::Normal, &mut r)];
+    running[0].blocks = blocks.allocate(1).expect("block");
+    running[0].num_computed = 2;
+    running[0].tokens.push(7);
+    for id in 2..=4 {
+        waiting.push_back(seq(id, 3, Priority::Normal, &mut r));
+    }
+    let mut first_steps = Vec::new();
+    for _ in 0..4 {
+        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+        first_steps.push(shape(&plan, &running)[0].0);
+        finish_step(&mut running, &plan);
+    }
+    assert_eq!(first_steps, vec![1, 2, 3, 4]);
+}

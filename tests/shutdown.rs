@@ -1,0 +1,80 @@
+//! Graceful shutdown: on SIGTERM the server stops taking work, lets running requests finish up to
+//! `shutdown_timeout_secs`, ends the rest with UNAVAILABLE, stops its worker and exits cleanly.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{greedy_request, TestServer};
+use tokio_stream::StreamExt;
+use tonic::Code;
+
+fn children(pid: u32) -> Vec<u32> {
+    let output = Command::new("pgrep")
+        .arg("-P")
+        .arg(pid.to_string())
+        .output()
+        .expect("pgrep");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_drains_then_ends_what_is_left_and_exits_cleanly() {
+    let mut server = TestServer::start(&[("RIVULET_SERVER__SHUTDOWN_TIMEOUT_SECS", "2")]);
+    let worker = children(server.pid());
+    assert_eq!(worker.len(), 1, "one worker process");
+    let mut client = server.client().await;
+    let mut short = client
+        .stream_generate(greedy_request("Say hello.", 6))
+        .await
+        .expect("short")
+        .into_inner();
+    let mut long = client
+        .stream_generate(greedy_request("Tell me a very long story.", 1500))
+        .await
+        .expect("long")
+        .into_inner();
+    long.next().await.expect("first").expect("ok");
+
+    let signalled = Instant::now();
+    assert!(Command::new("kill")
+        .arg("-TERM")
+        .arg(server.pid().to_string())
+        .status()
+        .expect("kill")
+        .success());
+
+    // The short request still finishes normally.
+    let mut last = None;
+    while let Some(message) = short.next().await {
+        last = Some(message.expect("the short request completes during the drain"));
+    }
+    assert_ne!(last.expect("messages").finish_reason, 0);
+
+    // The long one is ended with UNAVAILABLE once the shutdown timeout passes.
+    let status = loop {
+        match long.next().await {
+            Some(Ok(_)) => continue,
+            Some(Err(status)) => break status,
+            None => panic!("the long request cannot have finished 1500 tokens in the drain"),
+        }
+    };
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(
+        signalled.elapsed() >= Duration::from_secs(2),
+        "ended before the shutdown timeout"
+    );
+
+    let exit = server.terminate();
+    assert!(exit.success(), "exit status {exit:?}");
+    let gone = Command::new("kill")
+        .arg("-0")
+        .arg(worker[0].to_string())
+        .status()
+        .expect("kill -0");
+    assert!(!gone.success(), "the worker process stopped too");
+}
