@@ -35,7 +35,10 @@ async fn main() -> anyhow::Result<()> {
         async move {
             let request = GenerateRequest {
                 prompt: PROMPTS[i % PROMPTS.len()].to_owned(),
-                sampling: Some(SamplingParams { temperature: Some(0.0) }),
+                sampling: Some(SamplingParams {
+                    temperature: Some(0.0),
+                    ..Default::default()
+                }),
                 stopping: Some(StoppingCriteria {
                     max_new_tokens: Some(max_new_tokens),
                     ignore_eos: true,

@@ -214,6 +214,7 @@ async fn bad_input_is_invalid_argument_naming_the_field_and_the_server_keeps_ser
             GenerateRequest {
                 sampling: Some(rivulet::proto::SamplingParams {
                     temperature: Some(-1.0),
+                    ..Default::default()
                 }),
                 ..greedy_request("Hi", 8)
             },

@@ -168,7 +168,7 @@ mod tests {
             max_tokens: 8,
             max_seqs: 2,
             max_blocks_per_seq: 4,
-            _reserved: 0,
+            max_history_tokens: 32,
         };
         let mut owner = StepBuffer::create(capacity).expect("create");
         let layout = *owner.layout();

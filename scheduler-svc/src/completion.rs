@@ -38,7 +38,7 @@ mod tests {
         let (tx, _rx) = mpsc::unbounded_channel();
         let request = GenerationRequest {
             prompt_ids: vec![5, 6],
-            sampling: SamplingParams { temperature: 0.0 },
+            sampling: SamplingParams::greedy(),
             stopping,
             priority: Priority::Normal,
         };

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rivulet_ipc::ReadyInfo;
+use rivulet_ipc::layout::MAX_TOP_LOGPROBS;
+use rivulet_ipc::{ReadyInfo, StepBuffer};
 use thiserror::Error;
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio::sync::oneshot;
@@ -17,7 +18,9 @@ use crate::completion::check_token_completion;
 use crate::config::Config;
 use crate::output_text::TextProgress;
 use crate::queue::WaitingQueue;
-use crate::request::{EngineError, FinishReason, GenerationRequest, SequenceEvent, Usage};
+use crate::request::{
+    EngineError, FinishReason, GenerationRequest, SamplingParams, SequenceEvent, TokenLogprob, Usage,
+};
 use crate::scheduler::{Scheduler, SchedulerLimits, SchedulingPolicy, StepPlan};
 use crate::sequence::{Sequence, SequenceId};
 use crate::stats::{EngineStats, StatsSnapshot};
@@ -360,7 +363,7 @@ impl Engine {
         let buffer = worker.buffer();
         let sampled = buffer.i64_array(buffer.layout().sampled_tokens);
         let max_model_len = self.ready.max_model_len as usize;
-        let mut finished: Vec<(usize, FinishReason, String)> = Vec::new();
+        let mut finished: Vec<(usize, FinishReason, String, Vec<TokenLogprob>)> = Vec::new();
         let mut generated = 0;
         for (slot, scheduled) in plan.seqs.iter().enumerate() {
             let seq = &mut self.running[scheduled.running_index];
@@ -373,6 +376,7 @@ impl Engine {
             let token = sampled[slot] as u32;
             seq.tokens.push(token);
             generated += 1;
+            let logprobs = read_logprobs(buffer, slot, token, &seq.request.sampling);
             let token_reason = check_token_completion(seq, &self.ready.eos_token_ids, max_model_len);
             let mut delta = match seq.detokenizer.push(&self.tokenizer, token) {
                 Ok(text) => text,
@@ -380,7 +384,12 @@ impl Engine {
                     let _ = seq
                         .events
                         .send(SequenceEvent::Failed(EngineError::Detokenize(error.to_string())));
-                    finished.push((scheduled.running_index, FinishReason::Cancelled, String::new()));
+                    finished.push((
+                        scheduled.running_index,
+                        FinishReason::Cancelled,
+                        String::new(),
+                        Vec::new(),
+                    ));
                     continue;
                 }
             };
@@ -393,6 +402,7 @@ impl Engine {
                     let _ = seq.events.send(SequenceEvent::Tokens {
                         token_ids: vec![token],
                         text,
+                        logprobs,
                     });
                     continue;
                 }
@@ -404,12 +414,12 @@ impl Engine {
                 (TextProgress::StopString(text), None) => (FinishReason::StopString, text),
                 (TextProgress::CharLimit(text), None) => (FinishReason::Length, text),
             };
-            finished.push((scheduled.running_index, outcome.0, outcome.1));
+            finished.push((scheduled.running_index, outcome.0, outcome.1, logprobs));
         }
         self.stats.record_tokens(generated);
         // Remove from the back so earlier indices stay valid.
-        finished.sort_unstable_by_key(|(index, _, _)| std::cmp::Reverse(*index));
-        for (index, reason, text) in finished {
+        finished.sort_unstable_by_key(|(index, ..)| std::cmp::Reverse(*index));
+        for (index, reason, text, logprobs) in finished {
             let mut seq = self.running.remove(index);
             self.blocks.release(&mut seq.blocks);
             if reason == FinishReason::Cancelled {
@@ -426,6 +436,7 @@ impl Engine {
                 token_ids: last_token,
                 text,
                 usage,
+                logprobs,
             });
         }
     }
@@ -486,4 +497,26 @@ impl Engine {
             let _ = seq.events.send(SequenceEvent::Failed(error.clone()));
         }
     }
+}
+
+/// The logprobs of the token sampled in `slot`, when the request asked for them.
+fn read_logprobs(buffer: &StepBuffer, slot: usize, token: u32, sampling: &SamplingParams) -> Vec<TokenLogprob> {
+    if !sampling.wants_logprobs() {
+        return Vec::new();
+    }
+    let layout = buffer.layout();
+    let row = slot * MAX_TOP_LOGPROBS;
+    let count = sampling.top_logprobs as usize;
+    let ids = &buffer.i64_array(layout.top_logprob_ids)[row..row + count];
+    let values = &buffer.f32_array(layout.top_logprob_values)[row..row + count];
+    let top = ids
+        .iter()
+        .zip(values)
+        .map(|(&id, &logprob)| (id as u32, logprob))
+        .collect();
+    vec![TokenLogprob {
+        token_id: token,
+        logprob: buffer.f32_array(layout.sampled_logprobs)[slot],
+        top,
+    }]
 }

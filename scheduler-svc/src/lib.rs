@@ -18,6 +18,7 @@ pub mod output_text;
 pub mod prefix_cache;
 pub mod queue;
 pub mod request;
+pub mod sampling_validation;
 pub mod scheduler;
 pub mod sequence;
 pub mod server;

@@ -83,7 +83,7 @@ mod tests {
         let (tx, _rx) = mpsc::unbounded_channel();
         let request = GenerationRequest {
             prompt_ids: vec![1],
-            sampling: SamplingParams { temperature: 0.0 },
+            sampling: SamplingParams::greedy(),
             stopping: StoppingParams {
                 max_new_tokens: 1,
                 ..Default::default()

@@ -2,10 +2,64 @@
 
 use thiserror::Error;
 
+/// Sampling parameters, validated; defaults are vLLM's.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
     /// 0 is greedy.
     pub temperature: f32,
+    /// 0 keeps every token.
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// The request's seed, or a fresh random one.
+    pub seed: u64,
+    pub logprobs: bool,
+    pub top_logprobs: u32,
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+
+    pub fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.frequency_penalty != 0.0 || self.presence_penalty != 0.0
+    }
+
+    pub fn wants_logprobs(&self) -> bool {
+        self.logprobs || self.top_logprobs > 0
+    }
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            seed: 0,
+            logprobs: false,
+            top_logprobs: 0,
+        }
+    }
+}
+
+/// A generated token's log-probability and the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token_id: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -65,13 +119,18 @@ pub struct Usage {
 #[derive(Debug, Clone, PartialEq)]
 pub enum SequenceEvent {
     /// New tokens and the text they complete (possibly empty while a character is incomplete).
-    Tokens { token_ids: Vec<u32>, text: String },
+    Tokens {
+        token_ids: Vec<u32>,
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
     /// The last event of a request that completed, with its last tokens and text.
     Finished {
         reason: FinishReason,
         token_ids: Vec<u32>,
         text: String,
         usage: Usage,
+        logprobs: Vec<TokenLogprob>,
     },
     /// The last event of a request that could not complete.
     Failed(EngineError),

@@ -12,12 +12,13 @@ use tonic::{Request, Response, Status};
 
 use crate::engine::EngineHandle;
 use crate::request::{
-    EngineError, FinishReason, GenerationRequest, InvalidRequest, Priority, SamplingParams, SequenceEvent,
-    StoppingParams, Usage,
+    EngineError, FinishReason, GenerationRequest, InvalidRequest, Priority, SequenceEvent, StoppingParams,
+    TokenLogprob, Usage,
 };
 
 /// Stop strings a request may carry.
 const MAX_STOP_STRINGS: usize = 8;
+use crate::sampling_validation::sampling_params;
 use crate::tokenizer::ModelTokenizer;
 
 pub struct GenerationService {
@@ -95,14 +96,7 @@ impl GenerationService {
             ));
         }
 
-        let sampling = request.sampling.unwrap_or_default();
-        let temperature = sampling.temperature.unwrap_or(0.0);
-        if !temperature.is_finite() || temperature < 0.0 {
-            return Err(InvalidRequest::new(
-                "sampling.temperature",
-                format!("{temperature} must be a finite number >= 0"),
-            ));
-        }
+        let sampling = sampling_params(request.sampling)?;
 
         let stopping = request.stopping.unwrap_or_default();
         let max_new_tokens = stopping.max_new_tokens.unwrap_or(self.default_max_new_tokens);
@@ -170,7 +164,7 @@ impl GenerationService {
         stop_strings.extend(self.default_stop_strings.iter().cloned());
         Ok(GenerationRequest {
             prompt_ids,
-            sampling: SamplingParams { temperature },
+            sampling,
             stopping: StoppingParams {
                 max_new_tokens,
                 ignore_eos: stopping.ignore_eos,
@@ -205,18 +199,25 @@ impl Generation for GenerationService {
         let mut response = proto::GenerateResponse::default();
         while let Some(event) = events.recv().await {
             match event {
-                SequenceEvent::Tokens { token_ids, text } => {
+                SequenceEvent::Tokens {
+                    token_ids,
+                    text,
+                    logprobs,
+                } => {
                     response.token_ids.extend(token_ids);
                     response.text.push_str(&text);
+                    response.logprobs.extend(logprobs.into_iter().map(proto_logprob));
                 }
                 SequenceEvent::Finished {
                     reason,
                     token_ids,
                     text,
                     usage,
+                    logprobs,
                 } => {
                     response.token_ids.extend(token_ids);
                     response.text.push_str(&text);
+                    response.logprobs.extend(logprobs.into_iter().map(proto_logprob));
                     response.finish_reason = proto_reason(reason) as i32;
                     response.usage = Some(proto_usage(usage));
                     return Ok(Response::new(response));
@@ -234,9 +235,14 @@ impl Generation for GenerationService {
         // Dropping this stream (the client went away) drops the receiver, which cancels the
         // request at the engine's next iteration.
         let stream = UnboundedReceiverStream::new(events).map(|event| match event {
-            SequenceEvent::Tokens { token_ids, text } => Ok(proto::GenerateStreamResponse {
+            SequenceEvent::Tokens {
+                token_ids,
+                text,
+                logprobs,
+            } => Ok(proto::GenerateStreamResponse {
                 text,
                 token_ids,
+                logprobs: logprobs.into_iter().map(proto_logprob).collect(),
                 ..Default::default()
             }),
             SequenceEvent::Finished {
@@ -244,11 +250,13 @@ impl Generation for GenerationService {
                 token_ids,
                 text,
                 usage,
+                logprobs,
             } => Ok(proto::GenerateStreamResponse {
                 text,
                 token_ids,
                 finish_reason: proto_reason(reason) as i32,
                 usage: Some(proto_usage(usage)),
+                logprobs: logprobs.into_iter().map(proto_logprob).collect(),
             }),
             SequenceEvent::Failed(error) => Err(engine_status(error)),
         });
@@ -276,6 +284,18 @@ fn proto_reason(reason: FinishReason) -> proto::FinishReason {
         FinishReason::StopString => proto::FinishReason::StopString,
         FinishReason::Length => proto::FinishReason::Length,
         FinishReason::Cancelled => proto::FinishReason::Cancelled,
+    }
+}
+
+fn proto_logprob(logprob: TokenLogprob) -> proto::TokenLogprob {
+    proto::TokenLogprob {
+        token_id: logprob.token_id,
+        logprob: logprob.logprob,
+        top: logprob
+            .top
+            .into_iter()
+            .map(|(token_id, logprob)| proto::TopLogprob { token_id, logprob })
+            .collect(),
     }
 }
 

@@ -3,7 +3,8 @@
 
 use rivulet_ipc::StepBuffer;
 
-use crate::scheduler::StepPlan;
+use crate::request::SamplingParams;
+use crate::scheduler::{ScheduledSeq, StepPlan};
 use crate::sequence::Sequence;
 
 pub fn write_step(buffer: &mut StepBuffer, step: u64, plan: &StepPlan, running: &[Sequence], block_size: u32) {
@@ -57,10 +58,7 @@ pub fn write_step(buffer: &mut StepBuffer, step: u64, plan: &StepPlan, running: 
     for (i, (s, _)) in scheduled().enumerate() {
         sample[i] = i64::from(s.sample);
     }
-    let temperature = buffer.f32_array_mut(layout.temperature);
-    for (i, (_, seq)) in scheduled().enumerate() {
-        temperature[i] = seq.request.sampling.temperature;
-    }
+    write_sampling(buffer, plan, running);
     let tables = buffer.i64_array_mut(layout.block_tables);
     for (i, (_, seq)) in scheduled().enumerate() {
         let row = &mut tables[i * max_blocks..(i + 1) * max_blocks];
@@ -68,5 +66,68 @@ pub fn write_step(buffer: &mut StepBuffer, step: u64, plan: &StepPlan, running: 
             *entry = block as i64;
         }
         row[seq.blocks.len().min(max_blocks)..].fill(0);
+    }
+}
+
+/// Per-sequence sampling parameters and, for sequences with penalties that sample this step, their
+/// token history (prompt, then generated tokens).
+fn write_sampling(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Sequence]) {
+    let layout = *buffer.layout();
+    let scheduled = || plan.seqs.iter().map(|s| (s, &running[s.running_index]));
+    let mut per_seq_f32 = |span, value: fn(&SamplingParams) -> f32| {
+        let array = buffer.f32_array_mut(span);
+        for (i, (_, seq)) in scheduled().enumerate() {
+            array[i] = value(&seq.request.sampling);
+        }
+    };
+    per_seq_f32(layout.temperature, |p| p.temperature);
+    per_seq_f32(layout.top_p, |p| p.top_p);
+    per_seq_f32(layout.min_p, |p| p.min_p);
+    per_seq_f32(layout.repetition_penalty, |p| p.repetition_penalty);
+    per_seq_f32(layout.frequency_penalty, |p| p.frequency_penalty);
+    per_seq_f32(layout.presence_penalty, |p| p.presence_penalty);
+    let mut per_seq_i64 = |span, value: &dyn Fn(&Sequence) -> i64| {
+        let array = buffer.i64_array_mut(span);
+        for (i, (_, seq)) in scheduled().enumerate() {
+            array[i] = value(seq);
+        }
+    };
+    per_seq_i64(layout.top_k, &|seq| i64::from(seq.request.sampling.top_k));
+    // The seed's bits as i64: the worker's generator works on wrapping 64-bit integers.
+    per_seq_i64(layout.seed, &|seq| seq.request.sampling.seed as i64);
+    per_seq_i64(layout.draw_index, &|seq| seq.num_generated() as i64);
+    per_seq_i64(layout.num_top_logprobs, &|seq| {
+        let sampling = &seq.request.sampling;
+        if sampling.wants_logprobs() {
+            i64::from(sampling.top_logprobs)
+        } else {
+            0
+        }
+    });
+
+    let needs_history = |s: &ScheduledSeq, seq: &Sequence| s.sample && seq.request.sampling.has_penalties();
+    let capacity = layout.history_tokens.len;
+    let mut start = 0usize;
+    let mut starts = Vec::with_capacity(plan.seqs.len() + 1);
+    for (s, seq) in scheduled() {
+        starts.push(start as i64);
+        if needs_history(s, seq) && start + seq.tokens.len() <= capacity {
+            let history = &mut buffer.i64_array_mut(layout.history_tokens)[start..start + seq.tokens.len()];
+            for (slot, &token) in history.iter_mut().zip(&seq.tokens) {
+                *slot = i64::from(token);
+            }
+            start += seq.tokens.len();
+        }
+    }
+    starts.push(start as i64);
+    buffer.i64_array_mut(layout.history_start)[..starts.len()].copy_from_slice(&starts);
+    let prompt_lens = buffer.i64_array_mut(layout.history_prompt_len);
+    for (i, (s, seq)) in scheduled().enumerate() {
+        let has_range = starts[i + 1] > starts[i];
+        prompt_lens[i] = if needs_history(s, seq) && has_range {
+            seq.prompt_len() as i64
+        } else {
+            0
+        };
     }
 }

@@ -117,7 +117,8 @@ impl WorkerClient {
             max_tokens: config.scheduler.max_num_batched_tokens,
             max_seqs: config.scheduler.max_num_seqs,
             max_blocks_per_seq: ready.max_model_len.div_ceil(ready.block_size),
-            _reserved: 0,
+            // Room for every sequence of a step to send a full-context penalty history.
+            max_history_tokens: config.scheduler.max_num_seqs.saturating_mul(ready.max_model_len),
         };
         let buffer = StepBuffer::create(capacity)?;
         commands

@@ -148,7 +148,10 @@ pub fn shared_server() -> &'static TestServer {
 pub fn greedy_request(prompt: &str, max_new_tokens: u32) -> GenerateRequest {
     GenerateRequest {
         prompt: prompt.to_owned(),
-        sampling: Some(SamplingParams { temperature: Some(0.0) }),
+        sampling: Some(SamplingParams {
+            temperature: Some(0.0),
+            ..Default::default()
+        }),
         stopping: Some(StoppingCriteria {
             max_new_tokens: Some(max_new_tokens),
             ignore_eos: true,

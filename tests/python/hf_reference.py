@@ -4,6 +4,8 @@ Reads a JSON request on stdin and writes a JSON answer on stdout:
   {"task": "greedy", "prompts": [...], "max_new_tokens": N}
       -> {"results": [{"prompt_ids": [...], "output_ids": [...]}, ...], "eos_token_id": N}
   {"task": "tokenize", "texts": [...]} -> {"ids": [[...], ...]}
+  {"task": "logprobs", "prompt_ids": [...], "output_ids": [...], "top": K}
+      -> {"steps": [{"logprob", "top_ids", "top_values"}, ...]}: log-softmax at each output token
   {"task": "dequantize", "tensors": [...], "out_dir": "..."}
       -> {"tensors": [{"name", "type", "shape", "path"}]}; each path holds little-endian f32 values,
       dequantized by the `gguf` package's own dequantizer.
@@ -49,6 +51,25 @@ def greedy(model_path, prompts, max_new_tokens):
     return {"results": results, "eos_token_id": tokenizer.eos_token_id}
 
 
+def logprobs(model_path, prompt_ids, output_ids, top):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), torch_dtype=torch.float32
+    )
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + output_ids])).logits[0]
+    log_probs = torch.log_softmax(logits.double(), dim=-1)
+    steps = []
+    for i, token in enumerate(output_ids):
+        row = log_probs[len(prompt_ids) - 1 + i]
+        values, ids = row.topk(top)
+        steps.append({"logprob": float(row[token]), "top_ids": ids.tolist(), "top_values": values.tolist()})
+    return {"steps": steps}
+
+
 def tokenize(model_path, texts):
     tokenizer = load_tokenizer(model_path)
     return {"ids": [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]}
@@ -77,6 +98,8 @@ def main():
     task = request["task"]
     if task == "greedy":
         answer = greedy(model_path, request["prompts"], request["max_new_tokens"])
+    elif task == "logprobs":
+        answer = logprobs(model_path, request["prompt_ids"], request["output_ids"], request["top"])
     elif task == "tokenize":
         answer = tokenize(model_path, request["texts"])
     elif task == "dequantize":

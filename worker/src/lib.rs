@@ -20,6 +20,7 @@ pub mod model;
 pub mod rope;
 pub mod sampler;
 pub mod service;
+pub mod step;
 pub mod step_view;
 pub mod weights;
 

@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use ipc_channel::ipc::{self, IpcReceiver, IpcSender};
 use rivulet_gguf::GgufFile;
-use rivulet_ipc::{Bootstrap, ModelInfo, ReadyInfo, StepBuffer, StepCapacity, StepHeader, WorkerCommand, WorkerEvent};
-use tch::{Device, Kind, Tensor};
+use rivulet_ipc::{Bootstrap, ModelInfo, ReadyInfo, StepBuffer, StepCapacity, WorkerCommand, WorkerEvent};
+use tch::{Kind, Tensor};
 
 use crate::attention::{AttentionPlan, SeqSlice};
 use crate::config::ModelConfig;
@@ -16,6 +16,7 @@ use crate::error::WorkerError;
 use crate::kv_cache::KvCache;
 use crate::model::{ForwardInputs, LlamaModel};
 use crate::sampler::sample;
+use crate::step::{self, StepLimits};
 use crate::step_view::StepView;
 use crate::weights::ModelWeights;
 
@@ -35,15 +36,6 @@ pub struct Worker {
     kv_cache: KvCache,
     ready: ReadyInfo,
     step_buffer: Option<StepBuffer>,
-}
-
-/// A step's per-sequence layout, validated against the model and the cache.
-struct HostStep {
-    seqs: Vec<SeqSlice>,
-    /// Flat-batch row of each sampled sequence's last token.
-    logit_rows: Vec<i64>,
-    /// Index (in the step) of each sampled sequence.
-    sampled_seqs: Vec<i64>,
 }
 
 impl Worker {
@@ -125,7 +117,7 @@ impl Worker {
                 logit_rows: &rows,
             };
             let logits = self.model.forward(&inputs, &self.kv_cache);
-            let _ = sample(&logits, &Tensor::zeros([1], (Kind::Float, device)));
+            let _ = logits.argmax(-1, false);
         }
         Ok(())
     }
@@ -143,36 +135,36 @@ impl Worker {
             .as_ref()
             .ok_or_else(|| WorkerError::InvalidStep("no step buffer attached".to_owned()))?;
         let header = buffer.header_for_step(step)?;
-        let host = self.validate(buffer, &header)?;
-        let mut view = StepView::wrap(buffer, &header)?;
+        let limits = StepLimits {
+            vocab_size: self.ready.model.vocab_size as i64,
+            max_model_len: self.ready.max_model_len as i64,
+            block_size: self.kv_cache.block_size as i64,
+            num_blocks: self.kv_cache.num_blocks as i64,
+        };
+        let host = step::validate(buffer, &header, limits)?;
+        let mut view = StepView::wrap(buffer, &header, host.history_len)?;
         let device = self.model.device;
         let on_device = |t: &Tensor| -> Result<Tensor, WorkerError> { Ok(t.f_to_device(device)?) };
         let input_ids = on_device(&view.input_ids)?;
         let positions = on_device(&view.positions)?;
         let slot_mapping = on_device(&view.slot_mapping)?;
         let block_tables = on_device(&view.block_tables)?;
+        let block_size = self.kv_cache.block_size as i64;
         let plan = AttentionPlan::new(
             &host.seqs,
             &block_tables,
-            self.kv_cache.block_size as i64,
+            block_size,
             self.model.config.head_dim,
             device,
         );
-        if host.sampled_seqs.is_empty() {
-            // Only prompt chunks that end mid-prompt: fill the cache, sample nothing.
-            let rows = Tensor::from_slice(&[0i64]).to_device(device);
-            let inputs = ForwardInputs {
-                input_ids: &input_ids,
-                positions: &positions,
-                slot_mapping: &slot_mapping,
-                attention: &plan,
-                logit_rows: &rows,
-            };
-            let _ = self.model.forward(&inputs, &self.kv_cache);
-            return Ok(());
-        }
-        let rows = Tensor::from_slice(&host.logit_rows).to_device(device);
-        let sampled_index = Tensor::from_slice(&host.sampled_seqs);
+        // A step of prompt chunks that all end mid-prompt fills the cache and samples nothing;
+        // the head still needs one row.
+        let logit_rows = if host.logit_rows.is_empty() {
+            vec![0]
+        } else {
+            host.logit_rows.clone()
+        };
+        let rows = Tensor::f_from_slice(&logit_rows)?.f_to_device(device)?;
         let inputs = ForwardInputs {
             input_ids: &input_ids,
             positions: &positions,
@@ -181,93 +173,12 @@ impl Worker {
             logit_rows: &rows,
         };
         let logits = self.model.forward(&inputs, &self.kv_cache);
-        let temperature = view
-            .temperature
-            .f_index_select(0, &sampled_index)?
-            .f_to_device(device)?;
-        let sampled = sample(&logits, &temperature);
-        let _ = view
-            .sampled_tokens
-            .f_index_copy_(0, &sampled_index, &sampled.tokens.f_to_device(Device::Cpu)?)?;
-        let _ = view
-            .sampled_logprobs
-            .f_index_copy_(0, &sampled_index, &sampled.logprobs.f_to_device(Device::Cpu)?)?;
-        Ok(())
-    }
-
-    /// Checks every index the step will use, so that a bad step is an error and not a crash.
-    fn validate(&self, buffer: &StepBuffer, header: &StepHeader) -> Result<HostStep, WorkerError> {
-        let layout = buffer.layout();
-        let tokens = header.num_tokens as usize;
-        let seqs = header.num_seqs as usize;
-        let invalid = |what: String| Err(WorkerError::InvalidStep(what));
-        if tokens == 0 || seqs == 0 {
-            return invalid(format!("empty step ({tokens} tokens, {seqs} sequences)"));
+        if host.sampled_seqs.is_empty() {
+            return Ok(());
         }
-        let query_start = &buffer.i64_array(layout.query_start)[..=seqs];
-        let context_lens = &buffer.i64_array(layout.context_lens)[..seqs];
-        let sample_flags = &buffer.i64_array(layout.sample)[..seqs];
-        let block_tables = buffer.i64_array(layout.block_tables);
-        let max_blocks = layout.capacity.max_blocks_per_seq as usize;
-        let block_size = self.kv_cache.block_size as i64;
-        let num_blocks = self.kv_cache.num_blocks as i64;
-        let max_len = self.ready.max_model_len as i64;
-        if query_start[0] != 0 || query_start[seqs] != tokens as i64 {
-            return invalid(format!("query_start must run from 0 to {tokens}"));
-        }
-        let mut host = HostStep {
-            seqs: Vec::with_capacity(seqs),
-            logit_rows: Vec::new(),
-            sampled_seqs: Vec::new(),
-        };
-        for i in 0..seqs {
-            let (start, end, context) = (query_start[i], query_start[i + 1], context_lens[i]);
-            if end <= start {
-                return invalid(format!("sequence {i} has no tokens"));
-            }
-            if context < end - start || context > max_len || blocks_for(context, block_size) > max_blocks {
-                return invalid(format!("sequence {i}: context length {context} is out of range"));
-            }
-            let used_blocks = &block_tables[i * max_blocks..i * max_blocks + blocks_for(context, block_size)];
-            if let Some(bad) = used_blocks.iter().find(|&&b| b < 0 || b >= num_blocks) {
-                return invalid(format!(
-                    "sequence {i}: block {bad} is outside the cache's {num_blocks} blocks"
-                ));
-            }
-            host.seqs.push(SeqSlice {
-                first_token: start,
-                num_tokens: end - start,
-                context_len: context,
-            });
-            if sample_flags[i] != 0 {
-                host.logit_rows.push(end - 1);
-                host.sampled_seqs.push(i as i64);
-            }
-        }
-        let vocab = self.ready.model.vocab_size as i64;
-        let num_slots = self.kv_cache.num_slots() as i64;
-        check_range("input_ids", &buffer.i64_array(layout.input_ids)[..tokens], vocab)?;
-        check_range("positions", &buffer.i64_array(layout.positions)[..tokens], max_len)?;
-        check_range(
-            "slot_mapping",
-            &buffer.i64_array(layout.slot_mapping)[..tokens],
-            num_slots,
-        )?;
-        Ok(host)
-    }
-}
-
-/// Blocks that hold `tokens` tokens (`tokens` was checked non-negative by the caller).
-fn blocks_for(tokens: i64, block_size: i64) -> usize {
-    ((tokens + block_size - 1) / block_size).max(0) as usize
-}
-
-fn check_range(what: &str, values: &[i64], end: i64) -> Result<(), WorkerError> {
-    match values.iter().find(|&&v| v < 0 || v >= end) {
-        Some(bad) => Err(WorkerError::InvalidStep(format!(
-            "{what} holds {bad}, outside 0..{end}"
-        ))),
-        None => Ok(()),
+        let batch = step::sampling_batch(buffer, &view, &host, device)?;
+        let sampled = sample(&logits, &batch);
+        step::write_outputs(&mut view, &host, &sampled)
     }
 }
 

@@ -7,7 +7,7 @@
 
 use std::marker::PhantomData;
 
-use rivulet_ipc::layout::ArraySpan;
+use rivulet_ipc::layout::{ArraySpan, MAX_TOP_LOGPROBS};
 use rivulet_ipc::{StepBuffer, StepHeader};
 use tch::{Device, Kind, TchError, Tensor};
 
@@ -18,29 +18,55 @@ pub struct StepView<'a> {
     pub slot_mapping: Tensor,
     /// `[num_seqs, max_blocks_per_seq]` i64.
     pub block_tables: Tensor,
-    /// `[num_seqs]` f32.
+    /// Sampling parameters, `[num_seqs]` each.
     pub temperature: Tensor,
-    /// Outputs, `[num_seqs]`: i64 tokens and f32 logprobs.
+    pub top_k: Tensor,
+    pub top_p: Tensor,
+    pub min_p: Tensor,
+    pub repetition_penalty: Tensor,
+    pub frequency_penalty: Tensor,
+    pub presence_penalty: Tensor,
+    pub seed: Tensor,
+    pub draw_index: Tensor,
+    /// `[num_history_tokens]` i64: every sequence's penalty history, back to back.
+    pub history_tokens: Tensor,
+    /// Outputs, `[num_seqs]`: i64 tokens and f32 logprobs; `[num_seqs, MAX_TOP_LOGPROBS]` alternatives.
     pub sampled_tokens: Tensor,
     pub sampled_logprobs: Tensor,
+    pub top_logprob_ids: Tensor,
+    pub top_logprob_values: Tensor,
     _buffer: PhantomData<&'a StepBuffer>,
 }
 
 impl<'a> StepView<'a> {
-    pub fn wrap(buffer: &'a StepBuffer, header: &StepHeader) -> Result<Self, TchError> {
+    /// `history_len`: tokens in `history_tokens` this step (validated by the caller).
+    pub fn wrap(buffer: &'a StepBuffer, header: &StepHeader, history_len: usize) -> Result<Self, TchError> {
         let layout = buffer.layout();
         let tokens = header.num_tokens as i64;
         let seqs = header.num_seqs as i64;
         let blocks = layout.capacity.max_blocks_per_seq as i64;
+        let top = MAX_TOP_LOGPROBS as i64;
         let base = buffer.base_ptr();
+        let per_seq = |span, kind| wrap(base, span, &[seqs], kind);
         Ok(Self {
             input_ids: wrap(base, layout.input_ids, &[tokens], Kind::Int64)?,
             positions: wrap(base, layout.positions, &[tokens], Kind::Int64)?,
             slot_mapping: wrap(base, layout.slot_mapping, &[tokens], Kind::Int64)?,
             block_tables: wrap(base, layout.block_tables, &[seqs, blocks], Kind::Int64)?,
-            temperature: wrap(base, layout.temperature, &[seqs], Kind::Float)?,
-            sampled_tokens: wrap(base, layout.sampled_tokens, &[seqs], Kind::Int64)?,
-            sampled_logprobs: wrap(base, layout.sampled_logprobs, &[seqs], Kind::Float)?,
+            temperature: per_seq(layout.temperature, Kind::Float)?,
+            top_k: per_seq(layout.top_k, Kind::Int64)?,
+            top_p: per_seq(layout.top_p, Kind::Float)?,
+            min_p: per_seq(layout.min_p, Kind::Float)?,
+            repetition_penalty: per_seq(layout.repetition_penalty, Kind::Float)?,
+            frequency_penalty: per_seq(layout.frequency_penalty, Kind::Float)?,
+            presence_penalty: per_seq(layout.presence_penalty, Kind::Float)?,
+            seed: per_seq(layout.seed, Kind::Int64)?,
+            draw_index: per_seq(layout.draw_index, Kind::Int64)?,
+            history_tokens: wrap(base, layout.history_tokens, &[history_len as i64], Kind::Int64)?,
+            sampled_tokens: per_seq(layout.sampled_tokens, Kind::Int64)?,
+            sampled_logprobs: per_seq(layout.sampled_logprobs, Kind::Float)?,
+            top_logprob_ids: wrap(base, layout.top_logprob_ids, &[seqs, top], Kind::Int64)?,
+            top_logprob_values: wrap(base, layout.top_logprob_values, &[seqs, top], Kind::Float)?,
             _buffer: PhantomData,
         })
     }
@@ -79,7 +105,7 @@ mod tests {
             max_tokens: 16,
             max_seqs: 4,
             max_blocks_per_seq: 8,
-            _reserved: 0,
+            max_history_tokens: 32,
         };
         let mut scheduler_side = StepBuffer::create(capacity).expect("create");
         let layout = *scheduler_side.layout();
@@ -90,7 +116,7 @@ mod tests {
 
         let worker_side = StepBuffer::open(scheduler_side.os_id(), capacity).expect("open");
         let header = worker_side.header_for_step(1).expect("header");
-        let mut view = StepView::wrap(&worker_side, &header).expect("wrap");
+        let mut view = StepView::wrap(&worker_side, &header, 0).expect("wrap");
         // Same memory: the tensor's data pointer is the worker mapping's array address.
         let expected_ptr = worker_side.base_ptr() as usize + layout.input_ids.offset;
         assert_eq!(view.input_ids.data_ptr() as usize, expected_ptr);

@@ -11,7 +11,7 @@ fn seq(id: u64, prompt_len: usize, priority: Priority, receivers: &mut Receivers
     receivers.push(rx);
     let request = GenerationRequest {
         prompt_ids: (0..prompt_len as u32).map(|t| t + id as u32 * 1000).collect(),
-        sampling: SamplingParams { temperature: 0.0 },
+        sampling: SamplingParams::greedy(),
         stopping: StoppingParams {
             max_new_tokens: 8,
             ..Default::default()

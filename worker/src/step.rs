@@ -1,0 +1,216 @@
+//! One step as the worker sees it: the step buffer's per-sequence layout checked against the
+//! model and the cache (so a bad step is an error, never a crash), the sampling batch built from
+//! it, and the outputs written back.
+
+use rivulet_ipc::layout::MAX_TOP_LOGPROBS;
+use rivulet_ipc::{StepBuffer, StepHeader};
+use tch::{Device, Kind, Tensor};
+
+use crate::attention::SeqSlice;
+use crate::error::WorkerError;
+use crate::sampler::{PenaltyHistory, Sampled, SamplingBatch};
+use crate::step_view::StepView;
+
+/// What validation checks against.
+#[derive(Debug, Clone, Copy)]
+pub struct StepLimits {
+    pub vocab_size: i64,
+    pub max_model_len: i64,
+    pub block_size: i64,
+    pub num_blocks: i64,
+}
+
+/// A step's per-sequence layout, validated.
+#[derive(Debug, Default)]
+pub struct HostStep {
+    pub seqs: Vec<SeqSlice>,
+    /// Flat-batch row of each sampled sequence's last token.
+    pub logit_rows: Vec<i64>,
+    /// Index (in the step) of each sampled sequence.
+    pub sampled_seqs: Vec<i64>,
+    /// Tokens in the step's penalty histories.
+    pub history_len: usize,
+}
+
+fn invalid<T>(what: String) -> Result<T, WorkerError> {
+    Err(WorkerError::InvalidStep(what))
+}
+
+fn check_range(what: &str, values: &[i64], end: i64) -> Result<(), WorkerError> {
+    match values.iter().find(|&&v| v < 0 || v >= end) {
+        Some(bad) => invalid(format!("{what} holds {bad}, outside 0..{end}")),
+        None => Ok(()),
+    }
+}
+
+/// Blocks that hold `tokens` tokens (`tokens` was checked non-negative by the caller).
+fn blocks_for(tokens: i64, block_size: i64) -> usize {
+    ((tokens + block_size - 1) / block_size).max(0) as usize
+}
+
+/// Checks every index and length the step will use.
+pub fn validate(buffer: &StepBuffer, header: &StepHeader, limits: StepLimits) -> Result<HostStep, WorkerError> {
+    let layout = buffer.layout();
+    let tokens = header.num_tokens as usize;
+    let seqs = header.num_seqs as usize;
+    if tokens == 0 || seqs == 0 {
+        return invalid(format!("empty step ({tokens} tokens, {seqs} sequences)"));
+    }
+    let query_start = &buffer.i64_array(layout.query_start)[..=seqs];
+    let context_lens = &buffer.i64_array(layout.context_lens)[..seqs];
+    let sample_flags = &buffer.i64_array(layout.sample)[..seqs];
+    let block_tables = buffer.i64_array(layout.block_tables);
+    let max_blocks = layout.capacity.max_blocks_per_seq as usize;
+    if query_start[0] != 0 || query_start[seqs] != tokens as i64 {
+        return invalid(format!("query_start must run from 0 to {tokens}"));
+    }
+    let mut host = HostStep {
+        seqs: Vec::with_capacity(seqs),
+        ..HostStep::default()
+    };
+    for i in 0..seqs {
+        let (start, end, context) = (query_start[i], query_start[i + 1], context_lens[i]);
+        if end <= start {
+            return invalid(format!("sequence {i} has no tokens"));
+        }
+        if context < end - start
+            || context > limits.max_model_len
+            || blocks_for(context, limits.block_size) > max_blocks
+        {
+            return invalid(format!("sequence {i}: context length {context} is out of range"));
+        }
+        let used_blocks = &block_tables[i * max_blocks..i * max_blocks + blocks_for(context, limits.block_size)];
+        check_range(&format!("block table of sequence {i}"), used_blocks, limits.num_blocks)?;
+        host.seqs.push(SeqSlice {
+            first_token: start,
+            num_tokens: end - start,
+            context_len: context,
+        });
+        if sample_flags[i] != 0 {
+            host.logit_rows.push(end - 1);
+            host.sampled_seqs.push(i as i64);
+        }
+    }
+    check_range(
+        "input_ids",
+        &buffer.i64_array(layout.input_ids)[..tokens],
+        limits.vocab_size,
+    )?;
+    check_range(
+        "positions",
+        &buffer.i64_array(layout.positions)[..tokens],
+        limits.max_model_len,
+    )?;
+    let num_slots = limits.num_blocks * limits.block_size;
+    check_range(
+        "slot_mapping",
+        &buffer.i64_array(layout.slot_mapping)[..tokens],
+        num_slots,
+    )?;
+
+    let history_start = &buffer.i64_array(layout.history_start)[..=seqs];
+    let history_prompt = &buffer.i64_array(layout.history_prompt_len)[..seqs];
+    let capacity = layout.capacity.max_history_tokens as i64;
+    if history_start[0] != 0 || history_start[seqs] > capacity {
+        return invalid(format!("history_start must run from 0 to at most {capacity}"));
+    }
+    for i in 0..seqs {
+        let len = history_start[i + 1] - history_start[i];
+        if len < 0 || history_prompt[i] < 0 || history_prompt[i] > len {
+            return invalid(format!("sequence {i}: bad penalty history range"));
+        }
+    }
+    host.history_len = history_start[seqs] as usize;
+    check_range(
+        "history_tokens",
+        &buffer.i64_array(layout.history_tokens)[..host.history_len],
+        limits.vocab_size,
+    )?;
+    let top = &buffer.i64_array(layout.num_top_logprobs)[..seqs];
+    check_range("num_top_logprobs", top, MAX_TOP_LOGPROBS as i64 + 1)?;
+    Ok(host)
+}
+
+/// The sampled rows' parameters and penalty histories, on `device`.
+pub fn sampling_batch(
+    buffer: &StepBuffer,
+    view: &StepView<'_>,
+    host: &HostStep,
+    device: Device,
+) -> Result<SamplingBatch, WorkerError> {
+    let layout = buffer.layout();
+    let index = Tensor::f_from_slice(&host.sampled_seqs)?;
+    let pick = |t: &Tensor| -> Result<Tensor, WorkerError> { Ok(t.f_index_select(0, &index)?.f_to_device(device)?) };
+    let chosen = |span| -> Vec<f32> {
+        let values = buffer.f32_array(span);
+        host.sampled_seqs.iter().map(|&i| values[i as usize]).collect()
+    };
+    let top_k = buffer.i64_array(layout.top_k);
+    let top_logprobs = buffer.i64_array(layout.num_top_logprobs);
+
+    let history_start = buffer.i64_array(layout.history_start);
+    let history_prompt = buffer.i64_array(layout.history_prompt_len);
+    let (mut rows, mut generated, mut pieces) = (Vec::new(), Vec::new(), Vec::new());
+    for (row, &seq) in host.sampled_seqs.iter().enumerate() {
+        let (start, end) = (history_start[seq as usize], history_start[seq as usize + 1]);
+        if end > start {
+            let prompt_end = start + history_prompt[seq as usize];
+            rows.extend(std::iter::repeat_n(row as i64, (end - start) as usize));
+            generated.extend((start..end).map(|position| position >= prompt_end));
+            pieces.push(view.history_tokens.f_narrow(0, start, end - start)?);
+        }
+    }
+    let history = if pieces.is_empty() {
+        None
+    } else {
+        Some(PenaltyHistory {
+            rows: Tensor::f_from_slice(&rows)?.f_to_device(device)?,
+            tokens: Tensor::f_cat(&pieces, 0)?.f_to_device(device)?,
+            generated: Tensor::f_from_slice(&generated)?.f_to_device(device)?,
+        })
+    };
+    Ok(SamplingBatch {
+        any_random: chosen(layout.temperature).iter().any(|&t| t > 0.0),
+        any_top_k: host.sampled_seqs.iter().any(|&i| top_k[i as usize] > 0),
+        any_top_p: chosen(layout.top_p).iter().any(|&p| p < 1.0),
+        any_min_p: chosen(layout.min_p).iter().any(|&p| p > 0.0),
+        top_logprobs: host
+            .sampled_seqs
+            .iter()
+            .map(|&i| top_logprobs[i as usize])
+            .max()
+            .unwrap_or(0),
+        temperature: pick(&view.temperature)?,
+        top_k: pick(&view.top_k)?,
+        top_p: pick(&view.top_p)?,
+        min_p: pick(&view.min_p)?,
+        repetition_penalty: pick(&view.repetition_penalty)?,
+        frequency_penalty: pick(&view.frequency_penalty)?,
+        presence_penalty: pick(&view.presence_penalty)?,
+        seed: pick(&view.seed)?,
+        draw_index: pick(&view.draw_index)?,
+        history,
+    })
+}
+
+/// Writes the sampled tokens, their logprobs and the alternatives into the step buffer.
+pub fn write_outputs(view: &mut StepView<'_>, host: &HostStep, sampled: &Sampled) -> Result<(), WorkerError> {
+    let index = Tensor::f_from_slice(&host.sampled_seqs)?;
+    let cpu = |t: &Tensor| -> Result<Tensor, WorkerError> { Ok(t.f_to_device(Device::Cpu)?) };
+    let _ = view.sampled_tokens.f_index_copy_(0, &index, &cpu(&sampled.tokens)?)?;
+    let _ = view
+        .sampled_logprobs
+        .f_index_copy_(0, &index, &cpu(&sampled.logprobs)?.f_to_kind(Kind::Float)?)?;
+    if let (Some(ids), Some(values)) = (&sampled.top_ids, &sampled.top_values) {
+        let width = ids.size()[1];
+        let _ = view
+            .top_logprob_ids
+            .f_narrow(1, 0, width)?
+            .f_index_copy_(0, &index, &cpu(ids)?)?;
+        let _ = view
+            .top_logprob_values
+            .f_narrow(1, 0, width)?
+            .f_index_copy_(0, &index, &cpu(values)?)?;
+    }
+    Ok(())
+}
