@@ -177,7 +177,7 @@ async fn a_seeded_request_gives_the_same_tokens_alone_in_a_crowd_and_under_anoth
         ..Default::default()
     };
     let first = client
-        .generate(sampled(PROMPT, 24, unseeded.clone()))
+        .generate(sampled(PROMPT, 24, unseeded))
         .await
         .expect("unseeded")
         .into_inner()
