@@ -9,6 +9,8 @@ Reads a JSON request on stdin and writes a JSON answer on stdout:
   {"task": "dequantize", "tensors": [...], "out_dir": "..."}
       -> {"tensors": [{"name", "type", "shape", "path"}]}; each path holds little-endian f32 values,
       dequantized by the `gguf` package's own dequantizer.
+  {"task": "dequantize_raw", "type": "Q4_K", "path": ..., "out": ...}: raw blocks of that type
+      dequantized the same way into `out` (little-endian f32).
 
 transformers dequantizes GGUF weights to f32 and undoes llama.cpp's Q/K permutation itself, so
 nothing here shares code or conventions with Rivulet's loader.
@@ -92,6 +94,18 @@ def dequantize(model_path, names, out_dir):
     return {"tensors": answer}
 
 
+def dequantize_raw(type_name, path, out_path):
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    qtype = GGMLQuantizationType[type_name]
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    raw = np.fromfile(path, dtype=np.uint8).reshape(-1, type_size)
+    gguf_dequantize(raw, qtype).astype("<f4").reshape(-1).tofile(out_path)
+    return {"path": out_path}
+
+
 def main():
     request = json.load(sys.stdin)
     model_path = os.path.abspath(request["model"])
@@ -100,6 +114,8 @@ def main():
         answer = greedy(model_path, request["prompts"], request["max_new_tokens"])
     elif task == "logprobs":
         answer = logprobs(model_path, request["prompt_ids"], request["output_ids"], request["top"])
+    elif task == "dequantize_raw":
+        answer = dequantize_raw(request["type"], request["path"], request["out"])
     elif task == "tokenize":
         answer = tokenize(model_path, request["texts"])
     elif task == "dequantize":
