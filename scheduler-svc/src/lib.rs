@@ -10,6 +10,7 @@
 
 pub mod admin;
 pub mod block_manager;
+pub mod chat_template;
 pub mod completion;
 pub mod config;
 pub mod detokenizer;

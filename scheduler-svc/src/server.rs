@@ -8,7 +8,6 @@ use std::time::Duration;
 use rivulet::proto;
 use rivulet::proto::admin_server::AdminServer;
 use rivulet::proto::generation_server::GenerationServer;
-use rivulet_gguf::GgufFile;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::Server;
 
@@ -20,9 +19,7 @@ use crate::tokenizer::ModelTokenizer;
 
 /// Loads the tokenizer, starts the worker and the engine, and serves until a shutdown signal.
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    let file = GgufFile::open(&config.model.path)?;
-    let tokenizer = Arc::new(ModelTokenizer::from_gguf(&file)?);
-    drop(file);
+    let tokenizer = Arc::new(ModelTokenizer::from_model_path(&config.model.path)?);
 
     let engine_config = config.clone();
     let engine_tokenizer = tokenizer.clone();

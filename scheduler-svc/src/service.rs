@@ -10,6 +10,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
 
+use crate::chat_template::ChatMessage;
 use crate::engine::EngineHandle;
 use crate::request::{
     EngineError, FinishReason, GenerationRequest, InvalidRequest, Priority, SequenceEvent, StoppingParams,
@@ -47,30 +48,30 @@ impl GenerationService {
     fn to_domain(&self, request: proto::GenerateRequest) -> Result<GenerationRequest, InvalidRequest> {
         let ready = &self.engine.info.ready;
         let max_model_len = ready.max_model_len as usize;
-        let prompt_ids = match (request.prompt.is_empty(), request.prompt_token_ids.is_empty()) {
-            (false, false) => {
+        let given = [
+            !request.prompt.is_empty(),
+            !request.prompt_token_ids.is_empty(),
+            !request.messages.is_empty(),
+        ];
+        let prompt_field = match given {
+            [true, false, false] => "prompt",
+            [false, true, false] => "prompt_token_ids",
+            [false, false, true] => "messages",
+            [false, false, false] => {
                 return Err(InvalidRequest::new(
                     "prompt",
-                    "set either prompt or prompt_token_ids, not both",
+                    "must not be empty (set prompt, prompt_token_ids or messages)",
                 ))
             }
-            (true, true) => {
+            _ => {
                 return Err(InvalidRequest::new(
                     "prompt",
-                    "must not be empty (set prompt or prompt_token_ids)",
+                    "set only one of prompt, prompt_token_ids and messages",
                 ))
             }
-            (false, true) => {
-                let ids = self
-                    .tokenizer
-                    .encode(&request.prompt)
-                    .map_err(|e| InvalidRequest::new("prompt", e.to_string()))?;
-                if ids.is_empty() {
-                    return Err(InvalidRequest::new("prompt", "tokenizes to no tokens"));
-                }
-                ids
-            }
-            (true, false) => {
+        };
+        let prompt_ids = match prompt_field {
+            "prompt_token_ids" => {
                 let vocab = ready.model.vocab_size;
                 if let Some(bad) = request.prompt_token_ids.iter().find(|&&id| id >= vocab) {
                     return Err(InvalidRequest::new(
@@ -80,11 +81,21 @@ impl GenerationService {
                 }
                 request.prompt_token_ids
             }
-        };
-        let prompt_field = if request.prompt.is_empty() {
-            "prompt_token_ids"
-        } else {
-            "prompt"
+            field => {
+                let text = if field == "messages" {
+                    self.render_chat(request.messages)?
+                } else {
+                    request.prompt
+                };
+                let ids = self
+                    .tokenizer
+                    .encode(&text)
+                    .map_err(|e| InvalidRequest::new(field, e.to_string()))?;
+                if ids.is_empty() {
+                    return Err(InvalidRequest::new(field, "tokenizes to no tokens"));
+                }
+                ids
+            }
         };
         if prompt_ids.len() >= max_model_len {
             return Err(InvalidRequest::new(
@@ -176,6 +187,30 @@ impl GenerationService {
             },
             priority,
         })
+    }
+
+    /// The prompt of a chat request: its messages through the model's chat template.
+    fn render_chat(&self, messages: Vec<proto::ChatMessage>) -> Result<String, InvalidRequest> {
+        let template = self
+            .tokenizer
+            .chat_template()
+            .ok_or_else(|| InvalidRequest::new("messages", "the served model has no chat template; send a prompt"))?;
+        if let Some(bad) = messages
+            .iter()
+            .find(|m| !["system", "user", "assistant"].contains(&m.role.as_str()))
+        {
+            return Err(InvalidRequest::new("messages", format!("unknown role {:?}", bad.role)));
+        }
+        let messages: Vec<ChatMessage> = messages
+            .into_iter()
+            .map(|m| ChatMessage {
+                role: m.role,
+                content: m.content,
+            })
+            .collect();
+        template
+            .render(&messages)
+            .map_err(|e| InvalidRequest::new("messages", e.to_string()))
     }
 
     fn submit(

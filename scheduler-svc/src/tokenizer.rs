@@ -5,10 +5,14 @@
 //! follows `tokenizer.ggml.pre` the way llama.cpp maps it: `smollm` splits digits one by one before
 //! the GPT-2 byte-level split; `gpt2`/`default` use the byte-level split alone.
 
+use std::path::Path;
+
 use rivulet_gguf::{GgufError, GgufFile};
 use serde_json::{json, Value};
 use thiserror::Error;
 use tokenizers::Tokenizer;
+
+use crate::chat_template::{ChatTemplate, ChatTemplateError};
 
 /// GGUF token types (llama.cpp `llama_token_type`).
 const TOKEN_TYPE_CONTROL: i64 = 3;
@@ -24,15 +28,69 @@ pub enum TokenizerError {
     Build(String),
     #[error("tokenizing: {0}")]
     Encode(String),
+    #[error("chat template: {0}")]
+    ChatTemplate(#[from] ChatTemplateError),
 }
 
 /// The model's tokenizer plus the facts the scheduler needs about it.
 pub struct ModelTokenizer {
     inner: Tokenizer,
     vocab_size: u32,
+    chat_template: Option<ChatTemplate>,
 }
 
 impl ModelTokenizer {
+    /// From a GGUF file, or from a Hugging Face model folder (`tokenizer.json`,
+    /// `tokenizer_config.json`).
+    pub fn from_model_path(path: &Path) -> Result<Self, TokenizerError> {
+        if path.is_dir() {
+            Self::from_hf_folder(path)
+        } else {
+            Self::from_gguf(&GgufFile::open(path)?)
+        }
+    }
+
+    pub fn from_hf_folder(dir: &Path) -> Result<Self, TokenizerError> {
+        let inner = Tokenizer::from_file(dir.join("tokenizer.json"))
+            .map_err(|e| TokenizerError::Build(format!("{}: {e}", dir.join("tokenizer.json").display())))?;
+        let vocab_size = inner.get_vocab_size(true) as u32;
+        let config: Value = match std::fs::read_to_string(dir.join("tokenizer_config.json")) {
+            Ok(text) => {
+                serde_json::from_str(&text).map_err(|e| TokenizerError::Build(format!("tokenizer_config.json: {e}")))?
+            }
+            Err(_) => Value::Null,
+        };
+        let token_text = |key: &str| match &config[key] {
+            Value::String(text) => text.clone(),
+            Value::Object(token) => token
+                .get("content")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_owned(),
+            _ => String::new(),
+        };
+        // Newer tokenizers keep the template in `chat_template.jinja`, older ones in the config.
+        let template_file = std::fs::read_to_string(dir.join("chat_template.jinja")).ok();
+        let template = template_file.or_else(|| match &config["chat_template"] {
+            Value::String(template) => Some(template.clone()),
+            // A list of named templates: the default one.
+            Value::Array(named) => named
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_owned),
+            _ => None,
+        });
+        let chat_template = template
+            .map(|source| ChatTemplate::new(source, token_text("bos_token"), token_text("eos_token")))
+            .transpose()?;
+        Ok(Self {
+            inner,
+            vocab_size,
+            chat_template,
+        })
+    }
+
     pub fn from_gguf(file: &GgufFile) -> Result<Self, TokenizerError> {
         let model = file.get_str("tokenizer.ggml.model")?;
         if model != "gpt2" {
@@ -48,10 +106,27 @@ impl ModelTokenizer {
         let spec = tokenizer_json(&tokens, &merges, &token_types, pre);
         let inner =
             Tokenizer::from_bytes(spec.to_string().as_bytes()).map_err(|e| TokenizerError::Build(e.to_string()))?;
+        let token_text = |key: &str| {
+            let id = file.get_u64(key).ok()? as usize;
+            tokens.get(id).map(|t| (*t).to_owned())
+        };
+        let chat_template = match file.get_str("tokenizer.chat_template") {
+            Ok(source) => Some(ChatTemplate::new(
+                source.to_owned(),
+                token_text("tokenizer.ggml.bos_token_id").unwrap_or_default(),
+                token_text("tokenizer.ggml.eos_token_id").unwrap_or_default(),
+            )?),
+            Err(_) => None,
+        };
         Ok(Self {
             inner,
             vocab_size: tokens.len() as u32,
+            chat_template,
         })
+    }
+
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_ref()
     }
 
     pub fn vocab_size(&self) -> u32 {

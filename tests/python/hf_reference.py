@@ -9,6 +9,8 @@ Reads a JSON request on stdin and writes a JSON answer on stdout:
   {"task": "dequantize", "tensors": [...], "out_dir": "..."}
       -> {"tensors": [{"name", "type", "shape", "path"}]}; each path holds little-endian f32 values,
       dequantized by the `gguf` package's own dequantizer.
+  {"task": "save_hf_folder", "out_dir": ...}: the model as a Hugging Face folder (config.json,
+      safetensors, tokenizer files), as transformers dequantized it.
   {"task": "dequantize_raw", "type": "Q4_K", "path": ..., "out": ...}: raw blocks of that type
       dequantized the same way into `out` (little-endian f32).
 
@@ -106,6 +108,31 @@ def dequantize_raw(type_name, path, out_path):
     return {"path": out_path}
 
 
+def save_hf_folder(model_path, out_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(model_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), torch_dtype=torch.float32
+    )
+    # transformers will not save_pretrained a model it loaded from GGUF; write the same files
+    # directly: its dequantized f32 state dict as safetensors and its config.
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, os.path.join(out_dir, "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    with open(os.path.join(out_dir, "config.json"), "w") as out:
+        json.dump(config, out, indent=2)
+    tokenizer.save_pretrained(out_dir)
+    return {"files": sorted(os.listdir(out_dir))}
+
+
 def main():
     request = json.load(sys.stdin)
     model_path = os.path.abspath(request["model"])
@@ -116,6 +143,8 @@ def main():
         answer = logprobs(model_path, request["prompt_ids"], request["output_ids"], request["top"])
     elif task == "dequantize_raw":
         answer = dequantize_raw(request["type"], request["path"], request["out"])
+    elif task == "save_hf_folder":
+        answer = save_hf_folder(model_path, request["out_dir"])
     elif task == "tokenize":
         answer = tokenize(model_path, request["texts"])
     elif task == "dequantize":

@@ -62,7 +62,7 @@ impl ModelConfig {
         Ok(config)
     }
 
-    fn validate(&self) -> Result<(), WorkerError> {
+    pub fn validate(&self) -> Result<(), WorkerError> {
         let bad = |why: String| Err(WorkerError::UnsupportedModel(self.name.clone(), why));
         if self.num_heads == 0 || self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(

@@ -13,6 +13,7 @@ use crate::attention::{AttentionPlan, SeqSlice};
 use crate::config::ModelConfig;
 use crate::device::{compute_kind, describe, select_device};
 use crate::error::WorkerError;
+use crate::hf_folder;
 use crate::kv_cache::KvCache;
 use crate::model::{ForwardInputs, LlamaModel};
 use crate::sampler::sample;
@@ -45,14 +46,21 @@ impl Worker {
         }
         let device = select_device(&options.device)?;
         let kind = compute_kind(device);
-        let file = GgufFile::open(&options.model_path)?;
-        let config = ModelConfig::from_gguf(&file)?;
+        let path = &options.model_path;
+        let (config, weights, eos_token_ids) = if path.is_dir() {
+            let config = hf_folder::read_config(path)?;
+            let weights = hf_folder::load_weights(path, &config, device, kind)?;
+            (config, weights, hf_folder::eos_token_ids(path))
+        } else {
+            let file = GgufFile::open(path)?;
+            let config = ModelConfig::from_gguf(&file)?;
+            let weights = ModelWeights::load(&file, &config, device, kind)?;
+            let eos = eos_token_ids(&file);
+            (config, weights, eos)
+        };
         let max_model_len = options
             .max_model_len
             .map_or(config.context_length, |cap| cap.min(config.context_length));
-        let weights = ModelWeights::load(&file, &config, device, kind)?;
-        let eos_token_ids = eos_token_ids(&file);
-        drop(file);
         let kv_cache = KvCache::allocate(
             &config,
             options.block_size,

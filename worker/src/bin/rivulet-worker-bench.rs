@@ -1,0 +1,146 @@
+//! Worker micro-benchmark: the step time for decode batches of 1, 8, 32 and 64 sequences at
+//! context 512 and for one 512-token prefill, beside the machine's measured fp32 matmul
+//! throughput, so the step can be read against its roofline.
+//!
+//! `cargo run --release -p rivulet-worker --bin rivulet-worker-bench -- [model.gguf] [threads]`
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use rivulet_gguf::GgufFile;
+use rivulet_worker::attention::{AttentionPlan, SeqSlice};
+use rivulet_worker::config::ModelConfig;
+use rivulet_worker::kv_cache::KvCache;
+use rivulet_worker::model::{ForwardInputs, LlamaModel};
+use rivulet_worker::weights::ModelWeights;
+use tch::{Device, Kind, Tensor};
+
+const CONTEXT: i64 = 512;
+const BLOCK_SIZE: i64 = 16;
+
+/// Median wall time of `runs` calls, after one warm-up call.
+fn median_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut times: Vec<f64> = (0..runs)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+fn matmul_gflops() -> f64 {
+    let n = 1024;
+    let a = Tensor::randn([n, n], (Kind::Float, Device::Cpu));
+    let b = Tensor::randn([n, n], (Kind::Float, Device::Cpu));
+    let seconds = median_seconds(10, || {
+        let _ = a.matmul(&b);
+    });
+    2.0 * (n * n * n) as f64 / seconds / 1e9
+}
+
+/// FLOPs of one token through the model (matmuls only; attention adds 4·context·hidden per layer).
+fn flops_per_token(config: &ModelConfig, context: i64) -> f64 {
+    let hidden = config.hidden_size as f64;
+    let kv = config.kv_dim() as f64;
+    let ffn = config.intermediate_size as f64;
+    let per_layer = 2.0 * hidden * (hidden + 2.0 * kv) + 2.0 * hidden * hidden + 2.0 * 3.0 * hidden * ffn;
+    let attention = 4.0 * context as f64 * hidden;
+    config.num_layers as f64 * (per_layer + attention) + 2.0 * hidden * config.vocab_size as f64
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let model_path = PathBuf::from(
+        args.get(1)
+            .map_or("models/SmolLM2-135M-Instruct.Q4_1.gguf", String::as_str),
+    );
+    if let Some(threads) = args.get(2) {
+        tch::set_num_threads(threads.parse().context("threads")?);
+    }
+    let _guard = tch::no_grad_guard();
+    let file = GgufFile::open(&model_path)?;
+    let config = ModelConfig::from_gguf(&file)?;
+    let weights = ModelWeights::load(&file, &config, Device::Cpu, Kind::Float)?;
+    let max_batch = 64i64;
+    let blocks_per_seq = (CONTEXT + 1 + BLOCK_SIZE - 1) / BLOCK_SIZE;
+    let bytes =
+        (max_batch * blocks_per_seq) as usize * rivulet_worker::kv_cache::bytes_per_block(&config, 16, Kind::Float);
+    let cache = KvCache::allocate(&config, BLOCK_SIZE as usize, bytes, 1024, Device::Cpu, Kind::Float)?;
+    let model = LlamaModel::new(config.clone(), weights, 2048, Device::Cpu, Kind::Float);
+    let gflops = matmul_gflops();
+    println!(
+        "threads: {}, fp32 matmul (1024³): {gflops:.1} GFLOP/s",
+        tch::get_num_threads()
+    );
+    println!(
+        "{:<22} {:>10} {:>12} {:>14} {:>12}",
+        "step", "ms/step", "tokens/s", "roofline tok/s", "of roofline"
+    );
+
+    let report = |name: &str, seconds: f64, tokens: i64, context: i64| {
+        let flops = flops_per_token(&config, context) * tokens as f64;
+        let roofline = gflops * 1e9 / flops * tokens as f64;
+        let rate = tokens as f64 / seconds;
+        println!(
+            "{name:<22} {:>10.2} {rate:>12.1} {roofline:>14.1} {:>11.0}%",
+            seconds * 1e3,
+            100.0 * rate / roofline
+        );
+    };
+
+    for batch in [1i64, 8, 32, 64] {
+        let tables = Tensor::arange(batch * blocks_per_seq, (Kind::Int64, Device::Cpu)).view([batch, blocks_per_seq]);
+        let seqs: Vec<SeqSlice> = (0..batch)
+            .map(|i| SeqSlice {
+                first_token: i,
+                num_tokens: 1,
+                context_len: CONTEXT,
+            })
+            .collect();
+        let ids = Tensor::full([batch], 100, (Kind::Int64, Device::Cpu));
+        let positions = Tensor::full([batch], CONTEXT - 1, (Kind::Int64, Device::Cpu));
+        let slots = Tensor::arange(batch, (Kind::Int64, Device::Cpu)) * (blocks_per_seq * BLOCK_SIZE) + (CONTEXT - 1);
+        let rows = Tensor::arange(batch, (Kind::Int64, Device::Cpu));
+        let seconds = median_seconds(8, || {
+            let plan = AttentionPlan::new(&seqs, &tables, BLOCK_SIZE, config.head_dim, Device::Cpu);
+            let inputs = ForwardInputs {
+                input_ids: &ids,
+                positions: &positions,
+                slot_mapping: &slots,
+                attention: &plan,
+                logit_rows: &rows,
+            };
+            let _ = model.forward(&inputs, &cache).argmax(-1, false);
+        });
+        report(&format!("decode batch {batch} @{CONTEXT}"), seconds, batch, CONTEXT);
+    }
+
+    let tables = Tensor::arange(blocks_per_seq, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+    let seqs = [SeqSlice {
+        first_token: 0,
+        num_tokens: CONTEXT,
+        context_len: CONTEXT,
+    }];
+    let ids = Tensor::full([CONTEXT], 100, (Kind::Int64, Device::Cpu));
+    let positions = Tensor::arange(CONTEXT, (Kind::Int64, Device::Cpu));
+    let rows = Tensor::from_slice(&[CONTEXT - 1]);
+    let seconds = median_seconds(4, || {
+        let plan = AttentionPlan::new(&seqs, &tables, BLOCK_SIZE, config.head_dim, Device::Cpu);
+        let inputs = ForwardInputs {
+            input_ids: &ids,
+            positions: &positions,
+            slot_mapping: &positions,
+            attention: &plan,
+            logit_rows: &rows,
+        };
+        let _ = model.forward(&inputs, &cache).argmax(-1, false);
+    });
+    // A prefill's attention averages half the context; its head runs for one row only.
+    report(&format!("prefill {CONTEXT} tokens"), seconds, CONTEXT, CONTEXT / 2);
+    Ok(())
+}
