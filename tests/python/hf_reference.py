@@ -23,9 +23,23 @@ import sys
 
 
 def load_tokenizer(model_path):
+    from gguf import GGUFReader
+    from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+    # transformers' GGUF converter ignores `tokenizer.ggml.pre` and always uses the GPT-2 split.
+    # SmolLM2's own tokenizer.json (and llama.cpp's "smollm" pre-tokenizer) first splits every
+    # digit on its own, which differs for non-ASCII digits (e.g. " ١٢٣"); restore that.
+    field = GGUFReader(model_path).fields.get("tokenizer.ggml.pre")
+    if field is not None and bytes(field.parts[field.data[0]]).decode() == "smollm":
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+            ]
+        )
+    return tokenizer
 
 
 def greedy(model_path, prompts, max_new_tokens):
