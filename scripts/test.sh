@@ -6,4 +6,4 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh" --test
 cd "$ROOT"
 cargo build --release --workspace --bins
-cargo test --release --workspace "$@"
+cargo test --release --workspace --no-fail-fast "$@"

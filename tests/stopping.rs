@@ -143,23 +143,31 @@ async fn stop_token_ids_min_new_tokens_and_the_character_limit() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_queue_is_resource_exhausted_and_the_server_recovers() {
+    // 24 KV blocks of which 90% are kept from new admissions while anything runs, and room for
+    // one waiting request.
+    let kv_bytes = (24u64 * 2 * 30 * 16 * 3 * 64 * 4).to_string();
     let server = TestServer::start(&[
-        ("RIVULET_SCHEDULER__MAX_NUM_SEQS", "1"),
+        ("RIVULET_MODEL__MAX_MODEL_LEN", "256"),
+        ("RIVULET_WORKER__KV_CACHE_MEMORY", kv_bytes.as_str()),
+        ("RIVULET_SCHEDULER__RESERVED_BLOCK_RATIO", "0.9"),
         ("RIVULET_SCHEDULER__MAX_QUEUED_REQUESTS", "1"),
     ]);
     let mut client = server.client().await;
-    // One long request runs (the only sequence slot) ...
+    // One long request runs and grows past the three blocks left outside the reserve ...
     let mut running = client
-        .stream_generate(greedy_request(PROMPT, 400))
+        .stream_generate(greedy_request(PROMPT, 200))
         .await
         .expect("running")
         .into_inner();
-    running.next().await.expect("first message").expect("ok");
-    // ... one waits (the only queue slot) ...
+    for _ in 0..40 {
+        running.next().await.expect("message").expect("ok");
+    }
+    // ... so the next one cannot be admitted and waits (the only queue slot) ...
     let mut waiting_client = server.client().await;
     let waiting = tokio::spawn(async move { waiting_client.generate(greedy_request("Hello", 4)).await });
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    // ... and the next is turned away.
+    assert_eq!(server.stats().await.num_waiting, 1);
+    // ... and the one after it is turned away.
     let status = client
         .generate(greedy_request("Hello", 4))
         .await
@@ -167,7 +175,7 @@ async fn a_full_queue_is_resource_exhausted_and_the_server_recovers() {
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert!(status.message().contains("queue is full"), "{}", status.message());
 
-    drop(running); // cancelling frees the slot; the waiting request then runs.
+    drop(running); // cancelling frees its blocks; the waiting request then runs.
     let response = waiting
         .await
         .expect("join")
