@@ -17,6 +17,7 @@ pub mod device;
 pub mod error;
 pub mod hf_folder;
 pub mod kv_cache;
+pub mod malloc_tuning;
 pub mod model;
 pub mod rope;
 pub mod sampler;

@@ -36,6 +36,9 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    if !rivulet_worker::malloc_tuning::keep_freed_memory() {
+        tracing::warn!("could not tune malloc thresholds; steps may page-fault more");
+    }
     let options = WorkerOptions {
         model_path: args.model,
         device: args.device,

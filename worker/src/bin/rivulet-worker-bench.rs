@@ -55,6 +55,10 @@ fn flops_per_token(config: &ModelConfig, context: i64) -> f64 {
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    // As the worker does (see `malloc_tuning`); RIVULET_BENCH_DEFAULT_MALLOC=1 measures without it.
+    if std::env::var_os("RIVULET_BENCH_DEFAULT_MALLOC").is_none() {
+        rivulet_worker::malloc_tuning::keep_freed_memory();
+    }
     let model_path = PathBuf::from(
         args.get(1)
             .map_or("models/SmolLM2-135M-Instruct.Q4_1.gguf", String::as_str),
