@@ -58,6 +58,9 @@ pub struct WorkerConfig {
     pub device: String,
     /// Bytes of memory for the KV cache.
     pub kv_cache_memory: u64,
+    /// Instead of `kv_cache_memory`: this fraction of the device's free memory once the weights
+    /// are loaded (free GPU memory on CUDA, available RAM on the CPU).
+    pub kv_cache_memory_fraction: Option<f64>,
     /// Tokens per KV block.
     pub block_size: u32,
     /// libtorch intra-op threads (default: all cores).
@@ -109,6 +112,7 @@ impl Default for Config {
                 binary: None,
                 device: "auto".to_owned(),
                 kv_cache_memory: 1 << 30,
+                kv_cache_memory_fraction: None,
                 block_size: 16,
                 threads: None,
                 startup_timeout_secs: 300,
@@ -155,6 +159,13 @@ impl Config {
         };
         if self.worker.block_size == 0 || self.worker.block_size > 1024 {
             return invalid("worker.block_size", "must be between 1 and 1024");
+        }
+        if self
+            .worker
+            .kv_cache_memory_fraction
+            .is_some_and(|f| !(f > 0.0 && f <= 1.0))
+        {
+            return invalid("worker.kv_cache_memory_fraction", "must be in (0, 1]");
         }
         if self.worker.kv_cache_memory == 0 {
             return invalid("worker.kv_cache_memory", "must be positive");

@@ -66,8 +66,13 @@ impl WorkerClient {
             .arg(&config.model.path)
             .arg("--device")
             .arg(&config.worker.device)
-            .arg("--kv-cache-memory")
-            .arg(config.worker.kv_cache_memory.to_string())
+            .args(match config.worker.kv_cache_memory_fraction {
+                Some(fraction) => ["--kv-cache-memory-fraction".to_owned(), fraction.to_string()],
+                None => [
+                    "--kv-cache-memory".to_owned(),
+                    config.worker.kv_cache_memory.to_string(),
+                ],
+            })
             .arg("--block-size")
             .arg(config.worker.block_size.to_string());
         if let Some(len) = config.model.max_model_len {

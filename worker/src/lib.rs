@@ -18,6 +18,7 @@ pub mod error;
 pub mod hf_folder;
 pub mod kv_cache;
 pub mod malloc_tuning;
+pub mod memory;
 pub mod model;
 pub mod rope;
 pub mod sampler;

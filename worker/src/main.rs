@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Parser;
+use rivulet_worker::memory::KvBudget;
 use rivulet_worker::service::{serve, WorkerOptions};
 
 #[derive(Debug, Parser)]
@@ -19,8 +20,11 @@ struct Args {
     #[arg(long, default_value = "auto")]
     device: String,
     /// Bytes of memory for the KV cache.
-    #[arg(long)]
-    kv_cache_memory: usize,
+    #[arg(long, required_unless_present = "kv_cache_memory_fraction")]
+    kv_cache_memory: Option<usize>,
+    /// Instead: this fraction of the device's free memory after the weights are loaded.
+    #[arg(long, conflicts_with = "kv_cache_memory")]
+    kv_cache_memory_fraction: Option<f64>,
     #[arg(long, default_value_t = 16)]
     block_size: usize,
     #[arg(long)]
@@ -42,7 +46,10 @@ fn main() -> anyhow::Result<()> {
     let options = WorkerOptions {
         model_path: args.model,
         device: args.device,
-        kv_cache_memory: args.kv_cache_memory,
+        kv_cache_memory: match (args.kv_cache_memory_fraction, args.kv_cache_memory) {
+            (Some(fraction), _) => KvBudget::FreeFraction(fraction),
+            (None, bytes) => KvBudget::Bytes(bytes.unwrap_or_default()),
+        },
         block_size: args.block_size,
         max_model_len: args.max_model_len,
         threads: args.threads,

@@ -15,6 +15,7 @@ use crate::device::{compute_kind, describe, select_device};
 use crate::error::WorkerError;
 use crate::hf_folder;
 use crate::kv_cache::KvCache;
+use crate::memory::KvBudget;
 use crate::model::{ForwardInputs, LlamaModel};
 use crate::sampler::sample;
 use crate::step::{self, StepLimits};
@@ -25,7 +26,7 @@ use crate::weights::ModelWeights;
 pub struct WorkerOptions {
     pub model_path: PathBuf,
     pub device: String,
-    pub kv_cache_memory: usize,
+    pub kv_cache_memory: KvBudget,
     pub block_size: usize,
     /// Caps the model's own context length when set.
     pub max_model_len: Option<usize>,
@@ -64,7 +65,7 @@ impl Worker {
         let kv_cache = KvCache::allocate(
             &config,
             options.block_size,
-            options.kv_cache_memory,
+            options.kv_cache_memory.resolve(device)?,
             max_model_len,
             device,
             kind,
