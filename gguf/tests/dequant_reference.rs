@@ -128,37 +128,15 @@ fn every_tensor_type_of_the_default_model_matches_the_gguf_package() {
     }
     let out_dir = std::env::temp_dir().join(format!("rivulet-dequant-{}", std::process::id()));
     std::fs::create_dir_all(&out_dir).expect("temp dir");
-    let request = serde_json::json!({
-        "task": "dequantize", "model": model.display().to_string(), "tensors": chosen, "out_dir": out_dir.display().to_string()
-    });
-    let mut child = Command::new(root().join(".venv/bin/python"))
-        .arg(root().join("tests/python/hf_reference.py"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("python (scripts/setup.sh --test installs it)");
-    {
-        use std::io::Write;
-        child
-            .stdin
-            .take()
-            .expect("stdin")
-            .write_all(request.to_string().as_bytes())
-            .expect("write");
-    }
-    let output = child.wait_with_output().expect("reference");
-    assert!(output.status.success());
-    let answer: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
+    let answer = reference(serde_json::json!({
+        "task": "dequantize", "tensors": chosen, "out_dir": out_dir.display().to_string()
+    }));
 
-    for reference in answer["tensors"].as_array().expect("tensors") {
-        let name = reference["name"].as_str().expect("name");
-        let bytes = std::fs::read(reference["path"].as_str().expect("path")).expect("reference values");
-        let expected: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
+    for expected_tensor in answer["tensors"].as_array().expect("tensors") {
+        let name = expected_tensor["name"].as_str().expect("name");
+        let expected = read_f32(std::path::Path::new(expected_tensor["path"].as_str().expect("path")));
         let (info, ours) = file.dequantize(name).expect("dequantize");
-        let shape: Vec<i64> = serde_json::from_value(reference["shape"].clone()).expect("shape");
+        let shape: Vec<i64> = serde_json::from_value(expected_tensor["shape"].clone()).expect("shape");
         assert_eq!(info.torch_shape(), shape, "shape of {name}");
         assert_eq!(ours.len(), expected.len(), "{name}");
         let worst = ours

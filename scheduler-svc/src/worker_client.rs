@@ -107,15 +107,7 @@ impl WorkerClient {
         let Bootstrap { commands, events } = bootstrap;
         let ready = match recv_event(&mut child, &events, deadline, startup_timeout)? {
             WorkerEvent::Ready(ready) => ready,
-            WorkerEvent::Failed { message, .. } => {
-                return Err(fail_start(&mut child, WorkerClientError::Failed(message)))
-            }
-            other => {
-                return Err(fail_start(
-                    &mut child,
-                    WorkerClientError::Protocol(format!("{other:?}")),
-                ))
-            }
+            other => return Err(startup_failure(&mut child, other)),
         };
 
         let capacity = StepCapacity {
@@ -134,15 +126,7 @@ impl WorkerClient {
             .map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
         match recv_event(&mut child, &events, deadline, startup_timeout)? {
             WorkerEvent::StepBufferAttached => {}
-            WorkerEvent::Failed { message, .. } => {
-                return Err(fail_start(&mut child, WorkerClientError::Failed(message)))
-            }
-            other => {
-                return Err(fail_start(
-                    &mut child,
-                    WorkerClientError::Protocol(format!("{other:?}")),
-                ))
-            }
+            other => return Err(startup_failure(&mut child, other)),
         }
         Ok(Self {
             child,
@@ -242,6 +226,15 @@ fn check_alive(child: &mut Child, deadline: Instant, timeout: Duration) -> Resul
         return Err(WorkerClientError::Timeout(timeout));
     }
     Ok(())
+}
+
+/// A start-up answer other than the expected one: the worker's own failure, or a protocol error.
+fn startup_failure(child: &mut Child, event: WorkerEvent) -> WorkerClientError {
+    let error = match event {
+        WorkerEvent::Failed { message, .. } => WorkerClientError::Failed(message),
+        other => WorkerClientError::Protocol(format!("{other:?}")),
+    };
+    fail_start(child, error)
 }
 
 fn fail_start(child: &mut Child, error: WorkerClientError) -> WorkerClientError {

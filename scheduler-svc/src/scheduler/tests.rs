@@ -51,6 +51,13 @@ fn finish_step(running: &mut [Sequence], plan: &StepPlan) {
     }
 }
 
+/// Turns a fresh two-token sequence into a resident one that decodes next.
+fn make_resident_decoding(seq: &mut Sequence, blocks: &mut BlockManager) {
+    seq.blocks = blocks.allocate(1).expect("block");
+    seq.num_computed = 2;
+    seq.tokens.push(7);
+}
+
 fn shape(plan: &StepPlan, running: &[Sequence]) -> Vec<(u64, usize, bool)> {
     plan.seqs
         .iter()
@@ -137,9 +144,7 @@ fn fair_rotates_when_more_sequences_are_resident_than_fit_a_step() {
     let mut waiting = WaitingQueue::default();
     let mut running: Vec<Sequence> = (1..=3).map(|id| seq(id, 2, Priority::Normal, &mut r)).collect();
     for s in &mut running {
-        s.blocks = blocks.allocate(1).expect("block");
-        s.num_computed = 2;
-        s.tokens.push(7);
+        make_resident_decoding(s, &mut blocks);
     }
     let mut served = Vec::new();
     for _ in 0..3 {
@@ -162,9 +167,7 @@ fn latency_first_prefills_the_youngest_first_and_throughput_first_keeps_decoding
         let mut blocks = blocks(100, 4);
         let mut waiting = WaitingQueue::default();
         let mut running = vec![seq(1, 2, Priority::Normal, &mut r)];
-        running[0].blocks = blocks.allocate(1).expect("block");
-        running[0].num_computed = 2;
-        running[0].tokens.push(7);
+        make_resident_decoding(&mut running[0], &mut blocks);
         for id in 2..=4 {
             waiting.push_back(seq(id, 3, Priority::Normal, &mut r));
         }
@@ -216,9 +219,7 @@ fn fair_gives_waiting_requests_a_turn_in_arrival_order_when_the_step_is_full() {
     let mut blocks = blocks(100, 4);
     let mut waiting = WaitingQueue::default();
     let mut running = vec![seq(1, 2, Priority::Normal, &mut r)];
-    running[0].blocks = blocks.allocate(1).expect("block");
-    running[0].num_computed = 2;
-    running[0].tokens.push(7);
+    make_resident_decoding(&mut running[0], &mut blocks);
     for id in 2..=4 {
         waiting.push_back(seq(id, 3, Priority::Normal, &mut r));
     }
