@@ -32,6 +32,7 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
+    use crate::queue_ticket::QueueTicket;
     use crate::request::{GenerationRequest, Priority, SamplingParams, StoppingParams};
 
     fn sequence(stopping: StoppingParams, generated: &[u32]) -> Sequence {
@@ -42,7 +43,7 @@ mod tests {
             stopping,
             priority: Priority::Normal,
         };
-        let mut seq = Sequence::new(1, request, tx);
+        let mut seq = Sequence::new(1, request, tx, QueueTicket::untracked());
         seq.tokens.extend_from_slice(generated);
         seq
     }

@@ -2,7 +2,7 @@
 //! running sequences, the block manager and the worker — and drives one iteration at a time
 //! (DESIGN.md §2). gRPC handlers talk to it only through [`EngineHandle`]; no locks.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -18,6 +18,7 @@ use crate::completion::check_token_completion;
 use crate::config::Config;
 use crate::output_text::TextProgress;
 use crate::queue::WaitingQueue;
+use crate::queue_ticket::QueueTicket;
 use crate::request::{
     EngineError, FinishReason, GenerationRequest, SamplingParams, SequenceEvent, TokenLogprob, Usage,
 };
@@ -51,6 +52,7 @@ enum EngineCommand {
     Submit {
         request: GenerationRequest,
         events: UnboundedSender<SequenceEvent>,
+        queue_ticket: QueueTicket,
     },
     GetStats {
         reply: oneshot::Sender<StatsSnapshot>,
@@ -80,17 +82,16 @@ impl EngineHandle {
     /// Queues a validated request; its events arrive on the returned receiver. Dropping the
     /// receiver cancels the request at the next iteration. A full queue is `QueueFull`.
     pub fn submit(&self, request: GenerationRequest) -> Result<UnboundedReceiver<SequenceEvent>, EngineError> {
-        let reserved = self.queued.fetch_update(Ordering::AcqRel, Ordering::Acquire, |queued| {
-            (queued < self.max_queued).then_some(queued + 1)
-        });
-        if let Err(queued) = reserved {
-            return Err(EngineError::QueueFull(queued));
-        }
+        let queue_ticket = QueueTicket::take(&self.queued, self.max_queued).map_err(EngineError::QueueFull)?;
         let (events, receiver) = mpsc::unbounded_channel();
-        if self.commands.send(EngineCommand::Submit { request, events }).is_err() {
-            self.queued.fetch_sub(1, Ordering::AcqRel);
-            return Err(EngineError::ShuttingDown);
-        }
+        // On failure the unsent command, ticket included, is dropped: the place comes back.
+        self.commands
+            .send(EngineCommand::Submit {
+                request,
+                events,
+                queue_ticket,
+            })
+            .map_err(|_| EngineError::ShuttingDown)?;
         Ok(receiver)
     }
 
@@ -142,7 +143,7 @@ pub fn start(
     let (commands, command_rx) = mpsc::unbounded_channel();
     let queued = Arc::new(AtomicUsize::new(0));
     let max_queued = config.scheduler.max_queued_requests as usize;
-    let engine = Engine::new(config, worker, tokenizer, command_rx, queued.clone());
+    let engine = Engine::new(config, worker, tokenizer, command_rx);
     let thread = std::thread::Builder::new()
         .name("engine".to_owned())
         .spawn(move || engine.run())?;
@@ -165,7 +166,6 @@ struct Engine {
     blocks: BlockManager,
     running: Vec<Sequence>,
     waiting: WaitingQueue,
-    queued: Arc<AtomicUsize>,
     stats: EngineStats,
     commands: UnboundedReceiver<EngineCommand>,
     commands_open: bool,
@@ -181,7 +181,6 @@ impl Engine {
         worker: WorkerClient,
         tokenizer: Arc<ModelTokenizer>,
         commands: UnboundedReceiver<EngineCommand>,
-        queued: Arc<AtomicUsize>,
     ) -> Self {
         let ready = worker.ready().clone();
         let limits = SchedulerLimits {
@@ -205,7 +204,6 @@ impl Engine {
             scheduler,
             running: Vec::new(),
             waiting: WaitingQueue::default(),
-            queued,
             stats: EngineStats::default(),
             commands,
             commands_open: true,
@@ -267,15 +265,18 @@ impl Engine {
 
     fn handle(&mut self, command: EngineCommand) {
         match command {
-            EngineCommand::Submit { request, events } => {
+            EngineCommand::Submit {
+                request,
+                events,
+                queue_ticket,
+            } => {
                 if self.drain_deadline.is_some() {
-                    self.queued.fetch_sub(1, Ordering::AcqRel);
                     let _ = events.send(SequenceEvent::Failed(EngineError::ShuttingDown));
                     return;
                 }
                 let id = self.next_id;
                 self.next_id += 1;
-                self.waiting.push_back(Sequence::new(id, request, events));
+                self.waiting.push_back(Sequence::new(id, request, events, queue_ticket));
             }
             EngineCommand::GetStats { reply } => {
                 let snapshot = self.stats.snapshot(
@@ -310,14 +311,10 @@ impl Engine {
             }
             keep
         });
-        let queued = &self.queued;
         self.waiting.retain_mut(|seq| {
             let keep = !seq.is_abandoned();
             if !keep {
                 blocks.release(&mut seq.blocks);
-                if !seq.admitted_once {
-                    queued.fetch_sub(1, Ordering::AcqRel);
-                }
             }
             keep
         });
@@ -328,14 +325,10 @@ impl Engine {
         let plan = self
             .scheduler
             .plan(&mut self.running, &mut self.waiting, &mut self.blocks);
-        self.queued.fetch_sub(plan.first_admissions, Ordering::AcqRel);
         self.stats.num_preemptions += plan.preempted as u64;
         if plan.seqs.is_empty() {
             // Nothing fits even alone: validation makes this unreachable, but never spin on it.
             if let Some(seq) = self.waiting.pop_front() {
-                if !seq.admitted_once {
-                    self.queued.fetch_sub(1, Ordering::AcqRel);
-                }
                 let _ = seq.events.send(SequenceEvent::Failed(EngineError::WorkerUnavailable(
                     "the request does not fit in the KV cache".to_owned(),
                 )));
@@ -491,9 +484,6 @@ impl Engine {
     fn fail_all(&mut self, error: EngineError) {
         for mut seq in self.running.drain(..).chain(self.waiting.drain()) {
             self.blocks.release(&mut seq.blocks);
-            if !seq.admitted_once {
-                self.queued.fetch_sub(1, Ordering::AcqRel);
-            }
             let _ = seq.events.send(SequenceEvent::Failed(error.clone()));
         }
     }

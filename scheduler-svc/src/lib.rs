@@ -18,6 +18,7 @@ pub mod engine;
 pub mod output_text;
 pub mod prefix_cache;
 pub mod queue;
+pub mod queue_ticket;
 pub mod request;
 pub mod sampling_validation;
 pub mod scheduler;

@@ -77,6 +77,7 @@ mod tests {
     use tokio::sync::mpsc;
 
     use super::*;
+    use crate::queue_ticket::QueueTicket;
     use crate::request::{GenerationRequest, SamplingParams, StoppingParams};
 
     fn seq(id: u64, priority: Priority) -> Sequence {
@@ -90,7 +91,7 @@ mod tests {
             },
             priority,
         };
-        Sequence::new(id, request, tx)
+        Sequence::new(id, request, tx, QueueTicket::untracked())
     }
 
     #[test]

@@ -53,7 +53,7 @@ pub struct StepPlan {
     pub seqs: Vec<ScheduledSeq>,
     pub num_tokens: usize,
     pub preempted: usize,
-    /// Sequences admitted for the first time (they leave the admission queue's count).
+    /// Sequences admitted for the first time (their queue tickets were given back).
     pub first_admissions: usize,
 }
 
@@ -215,7 +215,7 @@ fn admit(
     seq.blocks = prefix.blocks;
     seq.block_hashes = prefix.hashes;
     seq.num_computed = prefix.tokens;
-    if !seq.admitted_once {
+    if seq.queue_ticket.is_some() {
         seq.cached_prompt_tokens = prefix.tokens.min(seq.prompt_len());
     }
     // Room for the rest of its history and a first block of output.
@@ -233,8 +233,8 @@ fn admit(
         waiting.push_front(seq);
         return None;
     }
-    let first_time = !seq.admitted_once;
-    seq.admitted_once = true;
+    // Dropping the ticket gives its queue place back.
+    let first_time = seq.queue_ticket.take().is_some();
     running.push(seq);
     Some((num_tokens, first_time))
 }

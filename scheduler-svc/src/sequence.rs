@@ -5,6 +5,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::output_text::OutputText;
+use crate::queue_ticket::QueueTicket;
 use crate::request::{GenerationRequest, SequenceEvent};
 
 pub type SequenceId = u64;
@@ -25,13 +26,18 @@ pub struct Sequence {
     pub detokenizer: IncrementalDetokenizer,
     /// Stop strings and the character limit, applied to the detokenized text.
     pub output: OutputText,
-    /// Counted in the admission queue until first admitted.
-    pub admitted_once: bool,
+    /// Its place in the admission queue, held until its first admission.
+    pub queue_ticket: Option<QueueTicket>,
     pub events: UnboundedSender<SequenceEvent>,
 }
 
 impl Sequence {
-    pub fn new(id: SequenceId, request: GenerationRequest, events: UnboundedSender<SequenceEvent>) -> Self {
+    pub fn new(
+        id: SequenceId,
+        request: GenerationRequest,
+        events: UnboundedSender<SequenceEvent>,
+        queue_ticket: QueueTicket,
+    ) -> Self {
         let stopping = &request.stopping;
         let output = OutputText::new(
             stopping.stop_strings.clone(),
@@ -41,7 +47,7 @@ impl Sequence {
         Self {
             id,
             output,
-            admitted_once: false,
+            queue_ticket: Some(queue_ticket),
             tokens: request.prompt_ids.clone(),
             request,
             num_computed: 0,

@@ -233,31 +233,15 @@ impl Generation for GenerationService {
         let mut events = self.submit(request.into_inner())?;
         let mut response = proto::GenerateResponse::default();
         while let Some(event) = events.recv().await {
-            match event {
-                SequenceEvent::Tokens {
-                    token_ids,
-                    text,
-                    logprobs,
-                } => {
-                    response.token_ids.extend(token_ids);
-                    response.text.push_str(&text);
-                    response.logprobs.extend(logprobs.into_iter().map(proto_logprob));
-                }
-                SequenceEvent::Finished {
-                    reason,
-                    token_ids,
-                    text,
-                    usage,
-                    logprobs,
-                } => {
-                    response.token_ids.extend(token_ids);
-                    response.text.push_str(&text);
-                    response.logprobs.extend(logprobs.into_iter().map(proto_logprob));
-                    response.finish_reason = proto_reason(reason) as i32;
-                    response.usage = Some(proto_usage(usage));
-                    return Ok(Response::new(response));
-                }
-                SequenceEvent::Failed(error) => return Err(engine_status(error)),
+            // The same messages the stream carries, so unary and streaming results agree.
+            let message = stream_message(event)?;
+            response.token_ids.extend(message.token_ids);
+            response.text.push_str(&message.text);
+            response.logprobs.extend(message.logprobs);
+            if message.usage.is_some() {
+                response.finish_reason = message.finish_reason;
+                response.usage = message.usage;
+                return Ok(Response::new(response));
             }
         }
         Err(Status::unavailable("the engine stopped before the request finished"))
@@ -269,33 +253,38 @@ impl Generation for GenerationService {
         let events = self.submit(request.into_inner())?;
         // Dropping this stream (the client went away) drops the receiver, which cancels the
         // request at the engine's next iteration.
-        let stream = UnboundedReceiverStream::new(events).map(|event| match event {
-            SequenceEvent::Tokens {
-                token_ids,
-                text,
-                logprobs,
-            } => Ok(proto::GenerateStreamResponse {
-                text,
-                token_ids,
-                logprobs: logprobs.into_iter().map(proto_logprob).collect(),
-                ..Default::default()
-            }),
-            SequenceEvent::Finished {
-                reason,
-                token_ids,
-                text,
-                usage,
-                logprobs,
-            } => Ok(proto::GenerateStreamResponse {
-                text,
-                token_ids,
-                finish_reason: proto_reason(reason) as i32,
-                usage: Some(proto_usage(usage)),
-                logprobs: logprobs.into_iter().map(proto_logprob).collect(),
-            }),
-            SequenceEvent::Failed(error) => Err(engine_status(error)),
-        });
+        let stream = UnboundedReceiverStream::new(events).map(stream_message);
         Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+/// One engine event as a stream message; only the last one carries the finish reason and usage.
+fn stream_message(event: SequenceEvent) -> Result<proto::GenerateStreamResponse, Status> {
+    match event {
+        SequenceEvent::Tokens {
+            token_ids,
+            text,
+            logprobs,
+        } => Ok(proto::GenerateStreamResponse {
+            text,
+            token_ids,
+            logprobs: logprobs.into_iter().map(proto_logprob).collect(),
+            ..Default::default()
+        }),
+        SequenceEvent::Finished {
+            reason,
+            token_ids,
+            text,
+            usage,
+            logprobs,
+        } => Ok(proto::GenerateStreamResponse {
+            text,
+            token_ids,
+            finish_reason: proto_reason(reason) as i32,
+            usage: Some(proto_usage(usage)),
+            logprobs: logprobs.into_iter().map(proto_logprob).collect(),
+        }),
+        SequenceEvent::Failed(error) => Err(engine_status(error)),
     }
 }
 

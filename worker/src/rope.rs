@@ -12,14 +12,13 @@ pub struct Rope {
 impl Rope {
     pub fn new(head_dim: usize, theta: f64, max_positions: usize, device: Device) -> Self {
         let half = (head_dim / 2) as i64;
-        let options = (Kind::Float, device);
         let exponents = Tensor::arange(half, (Kind::Double, device)) * (2.0 / head_dim as f64);
         let inv_freq = Tensor::from(theta).to_device(device).pow(&exponents).reciprocal();
         let positions = Tensor::arange(max_positions as i64, (Kind::Double, device));
         let angles = positions.outer(&inv_freq);
         Self {
-            cos: angles.cos().to_kind(options.0),
-            sin: angles.sin().to_kind(options.0),
+            cos: angles.cos().to_kind(Kind::Float),
+            sin: angles.sin().to_kind(Kind::Float),
         }
     }
 

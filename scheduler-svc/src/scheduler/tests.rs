@@ -2,6 +2,7 @@ use tokio::sync::mpsc;
 
 use super::*;
 use crate::block_manager::BlockManagerConfig;
+use crate::queue_ticket::QueueTicket;
 use crate::request::{GenerationRequest, Priority, SamplingParams, SequenceEvent, StoppingParams};
 
 type Receivers = Vec<mpsc::UnboundedReceiver<SequenceEvent>>;
@@ -18,7 +19,7 @@ fn seq(id: u64, prompt_len: usize, priority: Priority, receivers: &mut Receivers
         },
         priority,
     };
-    Sequence::new(id, request, tx)
+    Sequence::new(id, request, tx, QueueTicket::untracked())
 }
 
 fn blocks(total: u32, block_size: u32) -> BlockManager {
