@@ -89,5 +89,8 @@ fn proto_stats(stats: &StatsSnapshot) -> proto::GetStatsResponse {
         prefix_cache_hit_rate: stats.prefix_cache_hit_rate,
         num_preemptions: stats.num_preemptions,
         iterations: stats.iterations,
+        step_micros_total: stats.step_micros_total,
+        worker_forward_micros_total: stats.worker_forward_micros_total,
+        scheduler_micros_total: stats.scheduler_micros_total,
     }
 }

@@ -321,7 +321,8 @@ impl Engine {
     }
 
     fn iterate(&mut self) {
-        self.blocks.expire_cached(Instant::now());
+        let started = Instant::now();
+        self.blocks.expire_cached(started);
         let plan = self
             .scheduler
             .plan(&mut self.running, &mut self.waiting, &mut self.blocks);
@@ -345,8 +346,15 @@ impl Engine {
             &self.running,
             self.blocks.block_size(),
         );
+        let planned = started.elapsed();
         match worker.run_step(self.step) {
-            Ok(_timing) => self.apply_outputs(&plan),
+            Ok(timing) => {
+                let returned = Instant::now();
+                self.apply_outputs(&plan);
+                let applied = returned.elapsed();
+                self.stats
+                    .record_step(started.elapsed(), timing.worker, planned + applied);
+            }
             Err(error) => self.on_worker_failure(error),
         }
     }

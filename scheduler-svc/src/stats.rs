@@ -1,6 +1,6 @@
 //! Engine statistics, owned by the engine loop and copied out on request.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::block_manager::BlockManager;
 use crate::scheduler::SchedulingPolicy;
@@ -22,6 +22,9 @@ pub struct StatsSnapshot {
     pub prefix_cache_hit_rate: f64,
     pub num_preemptions: u64,
     pub iterations: u64,
+    pub step_micros_total: u64,
+    pub worker_forward_micros_total: u64,
+    pub scheduler_micros_total: u64,
     pub policy: SchedulingPolicy,
 }
 
@@ -30,6 +33,10 @@ pub struct EngineStats {
     pub total_tokens_generated: u64,
     pub num_preemptions: u64,
     pub iterations: u64,
+    /// Cumulative iteration timings, in microseconds (see `record_step`).
+    pub step_micros_total: u64,
+    pub worker_forward_micros_total: u64,
+    pub scheduler_micros_total: u64,
     window_start: Instant,
     window_tokens: u64,
 }
@@ -40,6 +47,9 @@ impl Default for EngineStats {
             total_tokens_generated: 0,
             num_preemptions: 0,
             iterations: 0,
+            step_micros_total: 0,
+            worker_forward_micros_total: 0,
+            scheduler_micros_total: 0,
             window_start: Instant::now(),
             window_tokens: 0,
         }
@@ -50,6 +60,14 @@ impl EngineStats {
     pub fn record_tokens(&mut self, tokens: u64) {
         self.total_tokens_generated += tokens;
         self.window_tokens += tokens;
+    }
+
+    /// One iteration's timing: `step` from planning until its outputs were applied, `forward` the
+    /// worker's own execution time, `scheduler` the engine's work (step minus forward minus IPC).
+    pub fn record_step(&mut self, step: Duration, forward: Duration, scheduler: Duration) {
+        self.step_micros_total += step.as_micros() as u64;
+        self.worker_forward_micros_total += forward.as_micros() as u64;
+        self.scheduler_micros_total += scheduler.as_micros() as u64;
     }
 
     pub fn reset_window(&mut self) {
@@ -85,6 +103,9 @@ impl EngineStats {
             prefix_cache_hit_rate: blocks.prefix_cache_hit_rate(),
             num_preemptions: self.num_preemptions,
             iterations: self.iterations,
+            step_micros_total: self.step_micros_total,
+            worker_forward_micros_total: self.worker_forward_micros_total,
+            scheduler_micros_total: self.scheduler_micros_total,
             policy,
         }
     }

@@ -22,7 +22,7 @@ pub fn model_path() -> PathBuf {
     root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
 }
 
-fn binary(name: &str) -> PathBuf {
+pub fn binary(name: &str) -> PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| root().join("target"));

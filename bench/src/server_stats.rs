@@ -1,0 +1,111 @@
+//! Rivulet's own account of where each iteration's time went, read from `Admin/GetStats` before and
+//! after a run: the scheduler's share is the step time spent outside the worker's forward pass.
+
+use rivulet::proto::admin_client::AdminClient;
+use rivulet::proto::{GetStatsRequest, GetStatsResponse};
+use serde::Serialize;
+
+/// Cumulative step counters at one moment.
+#[derive(Debug, Clone, Copy)]
+pub struct StepCounters {
+    iterations: u64,
+    step_micros: u64,
+    forward_micros: u64,
+    scheduler_micros: u64,
+}
+
+pub async fn read(url: &str) -> Result<StepCounters, tonic::Status> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?
+        .connect()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    let stats: GetStatsResponse = AdminClient::new(channel)
+        .get_stats(GetStatsRequest {})
+        .await?
+        .into_inner();
+    Ok(StepCounters {
+        iterations: stats.iterations,
+        step_micros: stats.step_micros_total,
+        forward_micros: stats.worker_forward_micros_total,
+        scheduler_micros: stats.scheduler_micros_total,
+    })
+}
+
+/// The run's iterations: mean step time and the shares of it outside the forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StepCost {
+    pub iterations: u64,
+    pub mean_step_ms: f64,
+    pub mean_forward_ms: f64,
+    /// Planning, writing the step buffer and applying outputs, over step time.
+    pub scheduler_share: f64,
+    /// Everything outside the forward pass (scheduler, IPC round trip, worker bookkeeping), over step time.
+    pub outside_forward_share: f64,
+}
+
+impl StepCounters {
+    pub fn since(&self, before: &StepCounters) -> StepCost {
+        let iterations = self.iterations.saturating_sub(before.iterations);
+        let step = self.step_micros.saturating_sub(before.step_micros) as f64;
+        let forward = self.forward_micros.saturating_sub(before.forward_micros) as f64;
+        let scheduler = self.scheduler_micros.saturating_sub(before.scheduler_micros) as f64;
+        let per_iteration = |micros: f64| {
+            if iterations > 0 {
+                micros / iterations as f64 / 1e3
+            } else {
+                0.0
+            }
+        };
+        let share = |micros: f64| if step > 0.0 { micros / step } else { 0.0 };
+        StepCost {
+            iterations,
+            mean_step_ms: per_iteration(step),
+            mean_forward_ms: per_iteration(forward),
+            scheduler_share: share(scheduler),
+            outside_forward_share: share(step - forward),
+        }
+    }
+}
+
+impl std::fmt::Display for StepCost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Rivulet steps: {} iterations, mean step {:.2} ms, mean forward {:.2} ms; scheduler {:.2}% of the step, \
+             everything outside the forward pass {:.2}%",
+            self.iterations,
+            self.mean_step_ms,
+            self.mean_forward_ms,
+            self.scheduler_share * 100.0,
+            self.outside_forward_share * 100.0
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cost_is_the_difference_of_two_readings() {
+        let before = StepCounters {
+            iterations: 10,
+            step_micros: 1_000,
+            forward_micros: 900,
+            scheduler_micros: 50,
+        };
+        let after = StepCounters {
+            iterations: 110,
+            step_micros: 101_000,
+            forward_micros: 97_900,
+            scheduler_micros: 2_050,
+        };
+        let cost = after.since(&before);
+        assert_eq!(cost.iterations, 100);
+        assert!((cost.mean_step_ms - 1.0).abs() < 1e-12);
+        assert!((cost.mean_forward_ms - 0.97).abs() < 1e-12);
+        assert!((cost.scheduler_share - 0.02).abs() < 1e-12);
+        assert!((cost.outside_forward_share - 0.03).abs() < 1e-12);
+    }
+}
