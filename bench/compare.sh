@@ -31,7 +31,7 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-cargo build --release --bins --quiet
+cargo build --release --workspace --bins --quiet
 OUT="$ROOT/bench/results/$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$OUT"
 RIVULET_PORT=50151
@@ -47,9 +47,9 @@ for clients in $CONCURRENCY; do
     for round in $(seq 1 "$ROUNDS"); do
         echo "== concurrency $clients, round $round/$ROUNDS"
         "$BENCH" "${common[@]}" --seed "$round" --backend rivulet --url "http://127.0.0.1:$RIVULET_PORT" \
-            --label "rivulet c=$clients" --json "$OUT/rivulet-c$clients.jsonl" | grep -E "Output token|P50 T|Failed|Rivulet steps"
+            --label "rivulet c=$clients" --json "$OUT/rivulet-c$clients.jsonl" | grep -E "Output token|P50 T|Failed|Rivulet steps|first error"
         "$BENCH" "${common[@]}" --seed "$round" --backend openai --url "http://127.0.0.1:$PEER_PORT" \
-            --label "llama-server c=$clients" --json "$OUT/peer-c$clients.jsonl" | grep -E "Output token|P50 T|Failed"
+            --label "llama-server c=$clients" --json "$OUT/peer-c$clients.jsonl" | grep -E "Output token|P50 T|Failed|first error"
     done
     # Stop the peer (it is restarted with the next concurrency's slot count); keep Rivulet.
     kill "${SERVER_PIDS[-1]}" && wait "${SERVER_PIDS[-1]}" 2>/dev/null || true

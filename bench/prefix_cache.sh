@@ -30,7 +30,7 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
-cargo build --release --bins --quiet
+cargo build --release --workspace --bins --quiet
 OUT="$ROOT/bench/results/prefix-$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$OUT"
 start_rivulet 50152 "$OUT/cache.log" RIVULET_SCHEDULER__PREFIX_CACHE=true
@@ -43,9 +43,9 @@ for round in $(seq 1 "$ROUNDS"); do
     echo "== round $round/$ROUNDS"
     # A new seed each round: new prefixes, so the cached server starts each round cold.
     "$BENCH" "${common[@]}" --seed "$round" --url http://127.0.0.1:50152 --label "prefix cache" \
-        --json "$OUT/cache.jsonl" | grep -E "Output token|P50 TTFT|Failed"
+        --json "$OUT/cache.jsonl" | grep -E "Output token|P50 TTFT|Failed|first error"
     "$BENCH" "${common[@]}" --seed "$round" --url http://127.0.0.1:50153 --label "no prefix cache" \
-        --json "$OUT/no-cache.jsonl" | grep -E "Output token|P50 TTFT|Failed"
+        --json "$OUT/no-cache.jsonl" | grep -E "Output token|P50 TTFT|Failed|first error"
 done
 echo
 echo "### shared prefix: $PROMPTS prompts in $GROUPS_ groups, ${PREFIX_LEN}-token prefix + ${SUFFIX_LEN}-token suffix, ${OUTPUT_LEN} output tokens, concurrency $CLIENTS" \

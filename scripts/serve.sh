@@ -5,5 +5,5 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$ROOT"
-cargo build --release --bins
+cargo build --release --workspace --bins
 exec "$ROOT/target/release/rivulet-scheduler" "$@"

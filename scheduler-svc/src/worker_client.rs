@@ -78,6 +78,9 @@ impl WorkerClient {
         if let Some(len) = config.model.max_model_len {
             command.arg("--max-model-len").arg(len.to_string());
         }
+        if config.worker.half_precision_gemv {
+            command.arg("--half-precision-gemv");
+        }
         if let Some(threads) = config.worker.threads {
             command.arg("--threads").arg(threads.to_string());
         }

@@ -7,11 +7,12 @@
 
 use tch::{Device, Kind, Tensor};
 
-/// The key slots and mask for a group of sequences.
+/// The KV blocks and mask for a group of sequences. Keys are gathered a whole block at a time
+/// (a few large copies rather than one per slot); positions past a sequence's context are masked.
 struct KeyGather {
-    /// `[batch, keys]` slot indices into the flat KV cache (padding points at slot 0).
-    slots: Tensor,
-    /// `[batch, 1, queries, keys]`, true where the query may attend to the key.
+    /// `[batch, blocks]` block ids (rows shorter than the longest are padded by their tables).
+    blocks: Tensor,
+    /// `[batch, 1, queries, blocks * block_size]`, true where the query may attend to the key.
     mask: Tensor,
 }
 
@@ -31,6 +32,7 @@ pub struct AttentionPlan {
     decode: Option<DecodeGroup>,
     prefills: Vec<PrefillChunk>,
     scale: f64,
+    block_size: i64,
 }
 
 /// What the plan needs per sequence: where its tokens sit in the flat batch and its context.
@@ -52,17 +54,17 @@ impl AttentionPlan {
             let token_rows: Vec<i64> = decode_rows.iter().map(|&i| seqs[i].first_token).collect();
             let context: Vec<i64> = decode_rows.iter().map(|&i| seqs[i].context_len).collect();
             let max_context = context.iter().copied().max().unwrap_or(1);
-            let tables = block_tables.index_select(0, &seq_index);
+            let num_blocks = blocks_for(max_context, block_size, block_tables);
+            let blocks = block_tables.index_select(0, &seq_index).narrow(1, 0, num_blocks);
             let context = Tensor::from_slice(&context).to_device(device);
-            let key_pos = Tensor::arange(max_context, (Kind::Int64, device));
-            let slots = slot_indices(&tables, &key_pos, block_size);
+            let key_pos = Tensor::arange(num_blocks * block_size, (Kind::Int64, device));
             let mask = key_pos
                 .unsqueeze(0)
                 .lt_tensor(&context.unsqueeze(1))
-                .view([-1, 1, 1, max_context]);
+                .view([-1, 1, 1, num_blocks * block_size]);
             DecodeGroup {
                 token_rows: Tensor::from_slice(&token_rows).to_device(device),
-                keys: KeyGather { slots, mask },
+                keys: KeyGather { blocks, mask },
             }
         });
         let prefills = seqs
@@ -70,20 +72,22 @@ impl AttentionPlan {
             .enumerate()
             .filter(|(_, s)| s.num_tokens > 1)
             .map(|(i, s)| {
-                let table = block_tables.get(i as i64).unsqueeze(0);
-                let key_pos = Tensor::arange(s.context_len, (Kind::Int64, device));
-                let slots = slot_indices(&table, &key_pos, block_size);
+                let num_blocks = blocks_for(s.context_len, block_size, block_tables);
+                let blocks = block_tables.get(i as i64).narrow(0, 0, num_blocks).unsqueeze(0);
+                let key_pos = Tensor::arange(num_blocks * block_size, (Kind::Int64, device));
                 let query_pos =
                     Tensor::arange_start(s.context_len - s.num_tokens, s.context_len, (Kind::Int64, device));
-                let mask =
-                    key_pos
-                        .unsqueeze(0)
-                        .le_tensor(&query_pos.unsqueeze(1))
-                        .view([1, 1, s.num_tokens, s.context_len]);
+                // Causal; keys past the context sit after every query, so this masks them too.
+                let mask = key_pos.unsqueeze(0).le_tensor(&query_pos.unsqueeze(1)).view([
+                    1,
+                    1,
+                    s.num_tokens,
+                    num_blocks * block_size,
+                ]);
                 PrefillChunk {
                     first_token: s.first_token,
                     num_tokens: s.num_tokens,
-                    keys: KeyGather { slots, mask },
+                    keys: KeyGather { blocks, mask },
                 }
             })
             .collect();
@@ -91,6 +95,7 @@ impl AttentionPlan {
             decode,
             prefills,
             scale: 1.0 / (head_dim as f64).sqrt(),
+            block_size,
         }
     }
 
@@ -101,16 +106,22 @@ impl AttentionPlan {
         let (tokens, heads, dim) = queries.size3().expect("queries are [tokens, heads, head_dim]");
         let mut output = Tensor::zeros([tokens, heads, dim], (queries.kind(), queries.device()));
         if let Some(group) = &self.decode {
-            let q = queries.index_select(0, &group.token_rows).unsqueeze(2); // [b, heads, 1, dim]
-            let attended = self.attend_group(&q, key_cache, value_cache, &group.keys); // [b, heads, 1, dim]
-            let _ = output.index_copy_(0, &group.token_rows, &attended.squeeze_dim(2));
+            // One query per sequence: the query heads that share a KV head become that KV head's
+            // "query positions" ([b, kv_heads, heads / kv_heads, dim]), so attention reads each
+            // gathered K/V once instead of a copy repeated per query head (GQA without expansion).
+            let kv_heads = key_cache.size()[1];
+            let q = queries
+                .index_select(0, &group.token_rows)
+                .view([-1, kv_heads, heads / kv_heads, dim]);
+            let attended = self.attend_group(&q, key_cache, value_cache, &group.keys, false);
+            let _ = output.index_copy_(0, &group.token_rows, &attended.reshape([-1, heads, dim]));
         }
         for chunk in &self.prefills {
             let q = queries
                 .narrow(0, chunk.first_token, chunk.num_tokens)
                 .transpose(0, 1)
                 .unsqueeze(0);
-            let attended = self.attend_group(&q, key_cache, value_cache, &chunk.keys); // [1, heads, n, dim]
+            let attended = self.attend_group(&q, key_cache, value_cache, &chunk.keys, true); // [1, heads, n, dim]
             output
                 .narrow(0, chunk.first_token, chunk.num_tokens)
                 .copy_(&attended.squeeze_dim(0).transpose(0, 1));
@@ -118,14 +129,23 @@ impl AttentionPlan {
         output.view([tokens, heads * dim])
     }
 
-    fn attend_group(&self, q: &Tensor, key_cache: &Tensor, value_cache: &Tensor, keys: &KeyGather) -> Tensor {
-        let (batch, num_keys) = keys.slots.size2().expect("slots are [batch, keys]");
-        let flat = keys.slots.view([-1]);
+    fn attend_group(
+        &self,
+        q: &Tensor,
+        key_cache: &Tensor,
+        value_cache: &Tensor,
+        keys: &KeyGather,
+        expand_kv_heads: bool,
+    ) -> Tensor {
+        let (batch, num_blocks) = keys.blocks.size2().expect("blocks are [batch, blocks]");
+        let flat = keys.blocks.reshape([-1]);
+        let block_size = self.block_size;
         let gather = |cache: &Tensor| {
             let (_, kv_heads, dim) = cache.size3().expect("flat cache is [slots, heads, dim]");
             cache
+                .view([-1, block_size * kv_heads * dim])
                 .index_select(0, &flat)
-                .view([batch, num_keys, kv_heads, dim])
+                .view([batch, num_blocks * block_size, kv_heads, dim])
                 .transpose(1, 2)
         };
         Tensor::scaled_dot_product_attention(
@@ -136,13 +156,13 @@ impl AttentionPlan {
             0.0,
             false,
             self.scale,
-            true,
+            expand_kv_heads,
         )
     }
 }
 
-/// Slot of each key position for each row of `tables`: `table[pos / bs] * bs + pos % bs`.
-fn slot_indices(tables: &Tensor, key_pos: &Tensor, block_size: i64) -> Tensor {
-    let blocks = tables.index_select(1, &key_pos.floor_divide_scalar(block_size));
-    blocks * block_size + key_pos.remainder(block_size).unsqueeze(0)
+/// Blocks covering `context` tokens, never more than the tables hold.
+fn blocks_for(context: i64, block_size: i64, block_tables: &Tensor) -> i64 {
+    let held = block_tables.size().last().copied().unwrap_or(0);
+    ((context + block_size - 1) / block_size).clamp(1, held.max(1))
 }

@@ -15,6 +15,7 @@ pub mod attention;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod half_gemv;
 pub mod hf_folder;
 pub mod kv_cache;
 pub mod malloc_tuning;

@@ -32,6 +32,9 @@ struct Args {
     /// Intra-op threads (default: libtorch's choice, all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// Keep f16 copies of the weights for one-token steps on the CPU.
+    #[arg(long)]
+    half_precision_gemv: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -53,6 +56,7 @@ fn main() -> anyhow::Result<()> {
         block_size: args.block_size,
         max_model_len: args.max_model_len,
         threads: args.threads,
+        half_precision_gemv: args.half_precision_gemv,
     };
     serve(&options, &args.ipc_server).context("worker failed")
 }

@@ -8,6 +8,8 @@ use tch::{Device, Kind, Tensor};
 
 use crate::attention::AttentionPlan;
 use crate::config::ModelConfig;
+use crate::error::WorkerError;
+use crate::half_gemv::{linear, HalfWeights};
 use crate::kv_cache::KvCache;
 use crate::rope::Rope;
 use crate::weights::ModelWeights;
@@ -15,6 +17,8 @@ use crate::weights::ModelWeights;
 pub struct LlamaModel {
     pub config: ModelConfig,
     weights: ModelWeights,
+    /// f16 projection weights for one-token steps, when enabled.
+    half: Option<HalfWeights>,
     rope: Rope,
     pub device: Device,
     pub kind: Kind,
@@ -39,10 +43,17 @@ impl LlamaModel {
         Self {
             config,
             weights,
+            half: None,
             rope,
             device,
             kind,
         }
+    }
+
+    /// Keeps f16 copies of the projections for one-token steps (see [`crate::half_gemv`]).
+    pub fn enable_half_precision_gemv(&mut self) -> Result<(), WorkerError> {
+        self.half = Some(HalfWeights::from_weights(&self.weights)?);
+        Ok(())
     }
 
     /// Runs the step and returns f32 logits `[samples, vocab]` for `logit_rows`.
@@ -57,10 +68,12 @@ impl LlamaModel {
             config.head_dim as i64,
         );
 
+        let half = self.half.as_ref().filter(|_| tokens == 1);
         let mut hidden = self.weights.token_embedding.index_select(0, inputs.input_ids);
-        for (layer, cache) in self.weights.layers.iter().zip(&kv_cache.layers) {
+        for (index, (layer, cache)) in self.weights.layers.iter().zip(&kv_cache.layers).enumerate() {
+            let half_layer = half.map(|h| &h.layers[index]);
             let normed = self.rms_norm(&hidden, &layer.attn_norm);
-            let qkv = normed.linear::<Tensor>(&layer.qkv_proj, None);
+            let qkv = linear(&normed, &layer.qkv_proj, half_layer.map(|h| &h.qkv_proj));
             let parts = qkv.split_with_sizes([q_dim, kv_dim, kv_dim], 1);
             let q = self
                 .rope
@@ -74,19 +87,17 @@ impl LlamaModel {
             let _ = key_cache.index_copy_(0, inputs.slot_mapping, &k);
             let _ = value_cache.index_copy_(0, inputs.slot_mapping, &v);
             let attended = inputs.attention.attend(&q, &key_cache, &value_cache);
-            hidden += attended.linear::<Tensor>(&layer.o_proj, None);
+            hidden += linear(&attended, &layer.o_proj, half_layer.map(|h| &h.o_proj));
 
             let normed = self.rms_norm(&hidden, &layer.ffn_norm);
-            let gate_up = normed.linear::<Tensor>(&layer.gate_up_proj, None).chunk(2, 1);
+            let gate_up = linear(&normed, &layer.gate_up_proj, half_layer.map(|h| &h.gate_up_proj)).chunk(2, 1);
             let activated = gate_up[0].silu() * &gate_up[1];
-            hidden += activated.linear::<Tensor>(&layer.down_proj, None);
+            hidden += linear(&activated, &layer.down_proj, half_layer.map(|h| &h.down_proj));
         }
         // Only the sampled rows need the (vocabulary-sized) output head.
         let last = hidden.index_select(0, inputs.logit_rows);
         let normed = self.rms_norm(&last, &self.weights.output_norm);
-        normed
-            .linear::<Tensor>(&self.weights.lm_head, None)
-            .to_kind(Kind::Float)
+        linear(&normed, &self.weights.lm_head, half.map(|h| &h.lm_head)).to_kind(Kind::Float)
     }
 
     /// RMSNorm computed in f32 whatever the compute dtype.

@@ -7,7 +7,7 @@ use std::time::Instant;
 use ipc_channel::ipc::{self, IpcReceiver, IpcSender};
 use rivulet_gguf::GgufFile;
 use rivulet_ipc::{Bootstrap, ModelInfo, ReadyInfo, StepBuffer, StepCapacity, WorkerCommand, WorkerEvent};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::attention::{AttentionPlan, SeqSlice};
 use crate::config::ModelConfig;
@@ -31,6 +31,8 @@ pub struct WorkerOptions {
     /// Caps the model's own context length when set.
     pub max_model_len: Option<usize>,
     pub threads: Option<usize>,
+    /// f16 weight copies for one-token steps on the CPU (see [`crate::half_gemv`]).
+    pub half_precision_gemv: bool,
 }
 
 pub struct Worker {
@@ -88,7 +90,10 @@ impl Worker {
             eos_token_ids,
             device: describe(device),
         };
-        let model = LlamaModel::new(config, weights, max_model_len, device, kind);
+        let mut model = LlamaModel::new(config, weights, max_model_len, device, kind);
+        if options.half_precision_gemv && device == Device::Cpu && kind == Kind::Float {
+            model.enable_half_precision_gemv()?;
+        }
         Ok(Self {
             model,
             kv_cache,

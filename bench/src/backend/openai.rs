@@ -19,7 +19,10 @@ impl OpenAiBackend {
     /// `base_url` is the server's root (e.g. `http://127.0.0.1:8080`); `/v1/completions` is added.
     pub fn new(base_url: &str, model: &str) -> Result<Self, reqwest::Error> {
         Ok(Self {
-            client: reqwest::Client::builder().build()?,
+            // A fresh connection per request: servers close idle keep-alive connections on their own
+            // schedule (llama-server after a few requests), and a request sent on a connection
+            // the server is closing fails for reasons that are not the server's throughput.
+            client: reqwest::Client::builder().pool_max_idle_per_host(0).build()?,
             url: format!("{}/v1/completions", base_url.trim_end_matches('/')),
             model: model.to_owned(),
         })

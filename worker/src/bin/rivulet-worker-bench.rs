@@ -1,5 +1,5 @@
 //! Worker micro-benchmark: the step time for decode batches of 1, 8, 32 and 64 sequences at
-//! context 512 and for one 512-token prefill, beside the machine's measured fp32 matmul
+//! context 512 (or RIVULET_BENCH_BATCHES at RIVULET_BENCH_CONTEXT) and for one 512-token prefill, beside the machine's measured fp32 matmul
 //! throughput, so the step can be read against its roofline.
 //!
 //! `cargo run --release -p rivulet-worker --bin rivulet-worker-bench -- [model.gguf] [threads]`
@@ -16,7 +16,6 @@ use rivulet_worker::model::{ForwardInputs, LlamaModel};
 use rivulet_worker::weights::ModelWeights;
 use tch::{Device, Kind, Tensor};
 
-const CONTEXT: i64 = 512;
 const BLOCK_SIZE: i64 = 16;
 
 /// Median wall time of `runs` calls, after one warm-up call.
@@ -53,6 +52,10 @@ fn flops_per_token(config: &ModelConfig, context: i64) -> f64 {
     config.num_layers as f64 * (per_layer + attention) + 2.0 * hidden * config.vocab_size as f64
 }
 
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_owned())
+}
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     // As the worker does (see `malloc_tuning`); RIVULET_BENCH_DEFAULT_MALLOC=1 measures without it.
@@ -66,19 +69,32 @@ fn main() -> anyhow::Result<()> {
     if let Some(threads) = args.get(2) {
         tch::set_num_threads(threads.parse().context("threads")?);
     }
+    // RIVULET_BENCH_CONTEXT / RIVULET_BENCH_BATCHES narrow the run (e.g. for a profiler).
+    let context: i64 = env_or("RIVULET_BENCH_CONTEXT", "512")
+        .parse()
+        .context("RIVULET_BENCH_CONTEXT")?;
+    let batches: Vec<i64> = env_or("RIVULET_BENCH_BATCHES", "1,8,32,64")
+        .split(',')
+        .map(|b| b.trim().parse().context("RIVULET_BENCH_BATCHES"))
+        .collect::<anyhow::Result<_>>()?;
     let _guard = tch::no_grad_guard();
     let file = GgufFile::open(&model_path)?;
     let config = ModelConfig::from_gguf(&file)?;
     let weights = ModelWeights::load(&file, &config, Device::Cpu, Kind::Float)?;
-    let max_batch = 64i64;
-    let blocks_per_seq = (CONTEXT + 1 + BLOCK_SIZE - 1) / BLOCK_SIZE;
+    let max_batch = batches.iter().copied().max().unwrap_or(1);
+    let blocks_per_seq = (context + 1 + BLOCK_SIZE - 1) / BLOCK_SIZE;
     let bytes =
         (max_batch * blocks_per_seq) as usize * rivulet_worker::kv_cache::bytes_per_block(&config, 16, Kind::Float);
     let cache = KvCache::allocate(&config, BLOCK_SIZE as usize, bytes, 1024, Device::Cpu, Kind::Float)?;
-    let model = LlamaModel::new(config.clone(), weights, 2048, Device::Cpu, Kind::Float);
+    let mut model = LlamaModel::new(config.clone(), weights, 2048, Device::Cpu, Kind::Float);
+    // RIVULET_BENCH_HALF_GEMV=1: as with `worker.half_precision_gemv` (f16 weights for 1-token steps).
+    let half_gemv = std::env::var_os("RIVULET_BENCH_HALF_GEMV").is_some();
+    if half_gemv {
+        model.enable_half_precision_gemv()?;
+    }
     let gflops = matmul_gflops();
     println!(
-        "threads: {}, fp32 matmul (1024³): {gflops:.1} GFLOP/s",
+        "threads: {}, fp32 matmul (1024³): {gflops:.1} GFLOP/s, f16 GEMV for 1-token steps: {half_gemv}",
         tch::get_num_threads()
     );
     println!(
@@ -97,18 +113,18 @@ fn main() -> anyhow::Result<()> {
         );
     };
 
-    for batch in [1i64, 8, 32, 64] {
+    for &batch in &batches {
         let tables = Tensor::arange(batch * blocks_per_seq, (Kind::Int64, Device::Cpu)).view([batch, blocks_per_seq]);
         let seqs: Vec<SeqSlice> = (0..batch)
             .map(|i| SeqSlice {
                 first_token: i,
                 num_tokens: 1,
-                context_len: CONTEXT,
+                context_len: context,
             })
             .collect();
         let ids = Tensor::full([batch], 100, (Kind::Int64, Device::Cpu));
-        let positions = Tensor::full([batch], CONTEXT - 1, (Kind::Int64, Device::Cpu));
-        let slots = Tensor::arange(batch, (Kind::Int64, Device::Cpu)) * (blocks_per_seq * BLOCK_SIZE) + (CONTEXT - 1);
+        let positions = Tensor::full([batch], context - 1, (Kind::Int64, Device::Cpu));
+        let slots = Tensor::arange(batch, (Kind::Int64, Device::Cpu)) * (blocks_per_seq * BLOCK_SIZE) + (context - 1);
         let rows = Tensor::arange(batch, (Kind::Int64, Device::Cpu));
         let seconds = median_seconds(8, || {
             let plan = AttentionPlan::new(&seqs, &tables, BLOCK_SIZE, config.head_dim, Device::Cpu);
@@ -121,18 +137,18 @@ fn main() -> anyhow::Result<()> {
             };
             let _ = model.forward(&inputs, &cache).argmax(-1, false);
         });
-        report(&format!("decode batch {batch} @{CONTEXT}"), seconds, batch, CONTEXT);
+        report(&format!("decode batch {batch} @{context}"), seconds, batch, context);
     }
 
     let tables = Tensor::arange(blocks_per_seq, (Kind::Int64, Device::Cpu)).unsqueeze(0);
     let seqs = [SeqSlice {
         first_token: 0,
-        num_tokens: CONTEXT,
-        context_len: CONTEXT,
+        num_tokens: context,
+        context_len: context,
     }];
-    let ids = Tensor::full([CONTEXT], 100, (Kind::Int64, Device::Cpu));
-    let positions = Tensor::arange(CONTEXT, (Kind::Int64, Device::Cpu));
-    let rows = Tensor::from_slice(&[CONTEXT - 1]);
+    let ids = Tensor::full([context], 100, (Kind::Int64, Device::Cpu));
+    let positions = Tensor::arange(context, (Kind::Int64, Device::Cpu));
+    let rows = Tensor::from_slice(&[context - 1]);
     let seconds = median_seconds(4, || {
         let plan = AttentionPlan::new(&seqs, &tables, BLOCK_SIZE, config.head_dim, Device::Cpu);
         let inputs = ForwardInputs {
@@ -145,6 +161,6 @@ fn main() -> anyhow::Result<()> {
         let _ = model.forward(&inputs, &cache).argmax(-1, false);
     });
     // A prefill's attention averages half the context; its head runs for one row only.
-    report(&format!("prefill {CONTEXT} tokens"), seconds, CONTEXT, CONTEXT / 2);
+    report(&format!("prefill {context} tokens"), seconds, context, context / 2);
     Ok(())
 }
