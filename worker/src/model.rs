@@ -56,6 +56,24 @@ impl LlamaModel {
         Ok(())
     }
 
+    /// Moves the f32 projection weights into oneDNN's tensor format, so that every projection runs
+    /// through oneDNN's matmul instead of MKL's sgemm. On the 2-core CPU this measured 1.3–1.4×
+    /// faster for 8–32-row steps (sgemm repacks each weight on every call; about a fifth of a
+    /// decode step went to that copy) and no slower for one row or 512-row prefills. The
+    /// results are the same f32 products, summed in another order. The token embedding stays
+    /// dense (it is gathered from, not multiplied).
+    pub fn use_onednn_projections(&mut self) -> Result<(), WorkerError> {
+        let convert = |t: &Tensor| -> Result<Tensor, WorkerError> { Ok(t.f_contiguous()?.to_mkldnn()) };
+        for layer in &mut self.weights.layers {
+            layer.qkv_proj = convert(&layer.qkv_proj)?;
+            layer.o_proj = convert(&layer.o_proj)?;
+            layer.gate_up_proj = convert(&layer.gate_up_proj)?;
+            layer.down_proj = convert(&layer.down_proj)?;
+        }
+        self.weights.lm_head = convert(&self.weights.lm_head)?;
+        Ok(())
+    }
+
     /// Runs the step and returns f32 logits `[samples, vocab]` for `logit_rows`.
     pub fn forward(&self, inputs: &ForwardInputs<'_>, kv_cache: &KvCache) -> Tensor {
         let config = &self.config;

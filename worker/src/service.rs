@@ -91,8 +91,14 @@ impl Worker {
             device: describe(device),
         };
         let mut model = LlamaModel::new(config, weights, max_model_len, device, kind);
-        if options.half_precision_gemv && device == Device::Cpu && kind == Kind::Float {
-            model.enable_half_precision_gemv()?;
+        if device == Device::Cpu && kind == Kind::Float {
+            // The f16 copies are made from the dense weights, so before those move to oneDNN.
+            if options.half_precision_gemv {
+                model.enable_half_precision_gemv()?;
+            }
+            if tch::utils::has_mkldnn() {
+                model.use_onednn_projections()?;
+            }
         }
         Ok(Self {
             model,

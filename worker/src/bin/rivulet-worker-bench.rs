@@ -42,6 +42,15 @@ fn matmul_gflops() -> f64 {
     2.0 * (n * n * n) as f64 / seconds / 1e9
 }
 
+/// Memory read bandwidth: summing a 512 MiB tensor (far larger than any cache) streams it once.
+fn read_bandwidth_gbs() -> f64 {
+    let values = Tensor::ones([128 << 20], (Kind::Float, Device::Cpu));
+    let seconds = median_seconds(5, || {
+        let _ = values.sum(Kind::Float);
+    });
+    (512 << 20) as f64 / seconds / 1e9
+}
+
 /// FLOPs of one token through the model (matmuls only; attention adds 4·context·hidden per layer).
 fn flops_per_token(config: &ModelConfig, context: i64) -> f64 {
     let hidden = config.hidden_size as f64;
@@ -92,19 +101,36 @@ fn main() -> anyhow::Result<()> {
     if half_gemv {
         model.enable_half_precision_gemv()?;
     }
+    // As the worker does on the CPU; RIVULET_BENCH_DENSE=1 keeps MKL's sgemm for comparison.
+    let onednn = std::env::var_os("RIVULET_BENCH_DENSE").is_none() && tch::utils::has_mkldnn();
+    if onednn {
+        model.use_onednn_projections()?;
+    }
     let gflops = matmul_gflops();
+    let bandwidth = read_bandwidth_gbs();
+    // Every step reads every projection weight once: 2 FLOPs per weight per token.
+    let weight_bytes = flops_per_token(&config, 0) / 2.0 * 4.0;
     println!(
-        "threads: {}, fp32 matmul (1024³): {gflops:.1} GFLOP/s, f16 GEMV for 1-token steps: {half_gemv}",
-        tch::get_num_threads()
+        "threads: {}, fp32 matmul (1024³): {gflops:.1} GFLOP/s, memory read: {bandwidth:.1} GB/s, f32 weights: {:.0} MB, \
+         f16 GEMV for 1-token steps: {half_gemv}, oneDNN projections: {onednn}",
+        tch::get_num_threads(),
+        weight_bytes / 1e6
     );
+    println!("roofline = min(compute: GFLOP/s / FLOPs per token, bandwidth: tokens per step × GB/s / weight bytes)");
     println!(
         "{:<22} {:>10} {:>12} {:>14} {:>12}",
         "step", "ms/step", "tokens/s", "roofline tok/s", "of roofline"
     );
 
     let report = |name: &str, seconds: f64, tokens: i64, context: i64| {
-        let flops = flops_per_token(&config, context) * tokens as f64;
-        let roofline = gflops * 1e9 / flops * tokens as f64;
+        let compute_bound = gflops * 1e9 / flops_per_token(&config, context);
+        let step_weight_bytes = if half_gemv && tokens == 1 {
+            weight_bytes / 2.0
+        } else {
+            weight_bytes
+        };
+        let bandwidth_bound = tokens as f64 * bandwidth * 1e9 / step_weight_bytes;
+        let roofline = compute_bound.min(bandwidth_bound);
         let rate = tokens as f64 / seconds;
         println!(
             "{name:<22} {:>10.2} {rate:>12.1} {roofline:>14.1} {:>11.0}%",
