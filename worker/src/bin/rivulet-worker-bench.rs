@@ -93,7 +93,9 @@ fn main() -> anyhow::Result<()> {
     let max_batch = batches.iter().copied().max().unwrap_or(1);
     let blocks_per_seq = (context + 1 + BLOCK_SIZE - 1) / BLOCK_SIZE;
     let bytes =
-        (max_batch * blocks_per_seq) as usize * rivulet_worker::kv_cache::bytes_per_block(&config, 16, Kind::Float);
+        // At least one 1024-token sequence (the cache's own minimum for max_model_len 1024).
+        (max_batch * blocks_per_seq).max(1024 / BLOCK_SIZE + 1) as usize
+            * rivulet_worker::kv_cache::bytes_per_block(&config, 16, Kind::Float);
     let cache = KvCache::allocate(&config, BLOCK_SIZE as usize, bytes, 1024, Device::Cpu, Kind::Float)?;
     let mut model = LlamaModel::new(config.clone(), weights, 2048, Device::Cpu, Kind::Float);
     // RIVULET_BENCH_HALF_GEMV=1: as with `worker.half_precision_gemv` (f16 weights for 1-token steps).
