@@ -27,6 +27,19 @@ impl RequestOutcome {
         }
     }
 
+    /// A completed request, from the times (since sending) its token-bearing messages arrived.
+    pub fn completed(prompt_tokens: usize, output_tokens: usize, token_arrivals: &[Duration], e2e: Duration) -> Self {
+        let (ttft, inter_token_latencies) = token_timings(token_arrivals);
+        Self {
+            error: None,
+            prompt_tokens,
+            output_tokens,
+            ttft,
+            e2e,
+            inter_token_latencies,
+        }
+    }
+
     /// Time per output token after the first: (E2E − TTFT) / (tokens − 1); `None` below 2 tokens.
     pub fn tpot(&self) -> Option<Duration> {
         if self.output_tokens < 2 {
@@ -38,7 +51,7 @@ impl RequestOutcome {
 }
 
 /// Arrival times of token-bearing messages → TTFT and inter-token gaps, relative to `sent_at`.
-pub fn token_timings(arrivals_since_send: &[Duration]) -> (Duration, Vec<Duration>) {
+fn token_timings(arrivals_since_send: &[Duration]) -> (Duration, Vec<Duration>) {
     let ttft = arrivals_since_send.first().copied().unwrap_or_default();
     let gaps = arrivals_since_send
         .windows(2)

@@ -4,7 +4,7 @@ use std::fmt::Write;
 
 use crate::metrics::{Distribution, Summary};
 
-/// Every row of the report: label, value, and whether larger is better (for ratios' reading).
+/// Every row of the report: label and value.
 fn rows(summary: &Summary) -> Vec<(String, f64)> {
     let mut rows = vec![
         ("Successful requests".to_owned(), summary.completed as f64),

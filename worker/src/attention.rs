@@ -10,10 +10,25 @@ use tch::{Device, Kind, Tensor};
 /// The KV blocks and mask for a group of sequences. Keys are gathered a whole block at a time
 /// (a few large copies rather than one per slot); positions past a sequence's context are masked.
 struct KeyGather {
-    /// `[batch, blocks]` block ids (rows shorter than the longest are padded by their tables).
+    /// `[batch * blocks]` block ids, row by row (rows shorter than the longest are padded by their
+    /// tables); flattened once per step, then used by every layer.
     blocks: Tensor,
+    batch: i64,
+    blocks_per_row: i64,
     /// `[batch, 1, queries, blocks * block_size]`, true where the query may attend to the key.
     mask: Tensor,
+}
+
+impl KeyGather {
+    /// The first `blocks_per_row` entries of each row of `tables` (`[batch, max_blocks]`).
+    fn new(tables: &Tensor, blocks_per_row: i64, mask: Tensor) -> Self {
+        Self {
+            blocks: tables.narrow(1, 0, blocks_per_row).reshape([-1]),
+            batch: tables.size()[0],
+            blocks_per_row,
+            mask,
+        }
+    }
 }
 
 struct DecodeGroup {
@@ -55,7 +70,6 @@ impl AttentionPlan {
             let context: Vec<i64> = decode_rows.iter().map(|&i| seqs[i].context_len).collect();
             let max_context = context.iter().copied().max().unwrap_or(1);
             let num_blocks = blocks_for(max_context, block_size, block_tables);
-            let blocks = block_tables.index_select(0, &seq_index).narrow(1, 0, num_blocks);
             let context = Tensor::from_slice(&context).to_device(device);
             let key_pos = Tensor::arange(num_blocks * block_size, (Kind::Int64, device));
             let mask = key_pos
@@ -64,7 +78,7 @@ impl AttentionPlan {
                 .view([-1, 1, 1, num_blocks * block_size]);
             DecodeGroup {
                 token_rows: Tensor::from_slice(&token_rows).to_device(device),
-                keys: KeyGather { blocks, mask },
+                keys: KeyGather::new(&block_tables.index_select(0, &seq_index), num_blocks, mask),
             }
         });
         let prefills = seqs
@@ -73,7 +87,6 @@ impl AttentionPlan {
             .filter(|(_, s)| s.num_tokens > 1)
             .map(|(i, s)| {
                 let num_blocks = blocks_for(s.context_len, block_size, block_tables);
-                let blocks = block_tables.get(i as i64).narrow(0, 0, num_blocks).unsqueeze(0);
                 let key_pos = Tensor::arange(num_blocks * block_size, (Kind::Int64, device));
                 let query_pos =
                     Tensor::arange_start(s.context_len - s.num_tokens, s.context_len, (Kind::Int64, device));
@@ -87,7 +100,7 @@ impl AttentionPlan {
                 PrefillChunk {
                     first_token: s.first_token,
                     num_tokens: s.num_tokens,
-                    keys: KeyGather { blocks, mask },
+                    keys: KeyGather::new(&block_tables.narrow(0, i as i64, 1), num_blocks, mask),
                 }
             })
             .collect();
@@ -137,14 +150,13 @@ impl AttentionPlan {
         keys: &KeyGather,
         expand_kv_heads: bool,
     ) -> Tensor {
-        let (batch, num_blocks) = keys.blocks.size2().expect("blocks are [batch, blocks]");
-        let flat = keys.blocks.reshape([-1]);
+        let (batch, num_blocks) = (keys.batch, keys.blocks_per_row);
         let block_size = self.block_size;
         let gather = |cache: &Tensor| {
             let (_, kv_heads, dim) = cache.size3().expect("flat cache is [slots, heads, dim]");
             cache
                 .view([-1, block_size * kv_heads * dim])
-                .index_select(0, &flat)
+                .index_select(0, &keys.blocks)
                 .view([batch, num_blocks * block_size, kv_heads, dim])
                 .transpose(1, 2)
         };

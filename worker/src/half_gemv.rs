@@ -43,18 +43,3 @@ impl HalfWeights {
         })
     }
 }
-
-/// `x · weightᵀ`, through the f16 copy when one is given (the result keeps `x`'s kind). A weight
-/// in oneDNN's format (see [`crate::model::LlamaModel::use_onednn_projections`]) goes through
-/// oneDNN's matmul; the input and output stay ordinary tensors.
-pub fn linear(x: &Tensor, weight: &Tensor, half: Option<&Tensor>) -> Tensor {
-    match half {
-        Some(half) => x.to_kind(Kind::Half).linear::<Tensor>(half, None).to_kind(x.kind()),
-        None if weight.is_mkldnn() => x
-            .contiguous()
-            .to_mkldnn()
-            .mkldnn_linear::<Tensor>(weight, None)
-            .to_dense(None, false),
-        None => x.linear::<Tensor>(weight, None),
-    }
-}

@@ -9,7 +9,7 @@ use tch::{Device, Kind, Tensor};
 use crate::attention::AttentionPlan;
 use crate::config::ModelConfig;
 use crate::error::WorkerError;
-use crate::half_gemv::{linear, HalfWeights};
+use crate::half_gemv::HalfWeights;
 use crate::kv_cache::KvCache;
 use crate::rope::Rope;
 use crate::weights::ModelWeights;
@@ -124,5 +124,20 @@ impl LlamaModel {
         let variance = xf.square().mean_dim(-1, true, Kind::Float);
         let normed = xf * (variance + self.config.rms_norm_eps).rsqrt();
         normed.to_kind(self.kind) * weight
+    }
+}
+
+/// A projection, `x · weightᵀ`: through the f16 copy when one is given (the result keeps `x`'s
+/// kind); through oneDNN's matmul when the weight is in its format (see
+/// [`LlamaModel::use_onednn_projections`]; input and output stay ordinary tensors).
+fn linear(x: &Tensor, weight: &Tensor, half: Option<&Tensor>) -> Tensor {
+    match half {
+        Some(half) => x.to_kind(Kind::Half).linear::<Tensor>(half, None).to_kind(x.kind()),
+        None if weight.is_mkldnn() => x
+            .contiguous()
+            .to_mkldnn()
+            .mkldnn_linear::<Tensor>(weight, None)
+            .to_dense(None, false),
+        None => x.linear::<Tensor>(weight, None),
     }
 }

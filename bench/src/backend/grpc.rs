@@ -8,7 +8,7 @@ use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
 use crate::dataset::BenchRequest;
-use crate::metrics::{token_timings, RequestOutcome};
+use crate::metrics::RequestOutcome;
 
 #[derive(Clone)]
 pub struct RivuletBackend {
@@ -62,15 +62,6 @@ impl RivuletBackend {
                 Err(status) => return RequestOutcome::failed(format!("{:?}: {}", status.code(), status.message())),
             }
         }
-        let e2e = sent.elapsed();
-        let (ttft, inter_token_latencies) = token_timings(&arrivals);
-        RequestOutcome {
-            error: None,
-            prompt_tokens,
-            output_tokens,
-            ttft,
-            e2e,
-            inter_token_latencies,
-        }
+        RequestOutcome::completed(prompt_tokens, output_tokens, &arrivals, sent.elapsed())
     }
 }

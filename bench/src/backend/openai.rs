@@ -6,7 +6,7 @@ use std::time::Instant;
 use serde_json::{json, Value};
 
 use crate::dataset::BenchRequest;
-use crate::metrics::{token_timings, RequestOutcome};
+use crate::metrics::RequestOutcome;
 
 #[derive(Clone)]
 pub struct OpenAiBackend {
@@ -75,16 +75,8 @@ impl OpenAiBackend {
             }
         }
         let e2e = sent.elapsed();
-        let (ttft, inter_token_latencies) = token_timings(&arrivals);
         let (prompt_tokens, output_tokens) = usage.unwrap_or((request.prompt_tokens, arrivals.len()));
-        RequestOutcome {
-            error: None,
-            prompt_tokens,
-            output_tokens,
-            ttft,
-            e2e,
-            inter_token_latencies,
-        }
+        RequestOutcome::completed(prompt_tokens, output_tokens, &arrivals, e2e)
     }
 }
 
