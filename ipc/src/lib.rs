@@ -2,10 +2,13 @@
 //!
 //! - [`messages`]: the small control messages that travel over `ipc-channel` (one `Step` command
 //!   and one `StepDone` event per iteration).
+//! - [`attach`]: the two JSON lines a worker started elsewhere exchanges with the scheduler
+//!   over the attach socket before the usual handshake.
 //! - [`layout`]: the `#[repr(C)]` shared-memory step buffer that carries the bulk tensors of an
 //!   iteration (token ids, positions, slot mapping, block tables, sampled tokens, logprobs).
 //! - [`step_buffer`]: a mapped step buffer, created by the scheduler and opened by the worker.
 
+pub mod attach;
 pub mod layout;
 pub mod messages;
 pub mod step_buffer;

@@ -1,11 +1,14 @@
-//! The `rivulet.v1.Admin` gRPC service: statistics, the scheduling policy, the stats window.
+//! The `rivulet.v1.Admin` gRPC service: statistics (pooled and per replica), the scheduling
+//! policy, the stats window, draining a worker replica.
 
 use rivulet::proto;
 use rivulet::proto::admin_server::Admin;
 use tonic::{Request, Response, Status};
 
 use crate::engine::EngineHandle;
+use crate::replica::{ReplicaOrigin, ReplicaSnapshot, ReplicaState};
 use crate::scheduler::SchedulingPolicy;
+use crate::service::engine_status;
 use crate::stats::StatsSnapshot;
 
 pub struct AdminService {
@@ -63,6 +66,17 @@ impl Admin for AdminService {
             .map_err(|e| Status::unavailable(e.to_string()))?;
         Ok(Response::new(proto::ResetStatsWindowResponse {}))
     }
+
+    async fn drain_worker(
+        &self,
+        request: Request<proto::DrainWorkerRequest>,
+    ) -> Result<Response<proto::DrainWorkerResponse>, Status> {
+        self.engine
+            .drain_replica(request.into_inner().id)
+            .await
+            .map_err(engine_status)?;
+        Ok(Response::new(proto::DrainWorkerResponse {}))
+    }
 }
 
 fn proto_policy(policy: SchedulingPolicy) -> proto::SchedulingPolicy {
@@ -92,5 +106,30 @@ fn proto_stats(stats: &StatsSnapshot) -> proto::GetStatsResponse {
         step_micros_total: stats.step_micros_total,
         worker_forward_micros_total: stats.worker_forward_micros_total,
         scheduler_micros_total: stats.scheduler_micros_total,
+        replicas: stats.replicas.iter().map(proto_replica).collect(),
+        num_replicas_ready: stats.num_replicas_ready,
+    }
+}
+
+fn proto_replica(replica: &ReplicaSnapshot) -> proto::ReplicaStats {
+    let state = match replica.state {
+        ReplicaState::Starting => proto::ReplicaState::Starting,
+        ReplicaState::Ready => proto::ReplicaState::Ready,
+        ReplicaState::Draining => proto::ReplicaState::Draining,
+        ReplicaState::Failed => proto::ReplicaState::Failed,
+    };
+    proto::ReplicaStats {
+        id: replica.id,
+        device: replica.device.clone(),
+        state: state as i32,
+        pid: replica.pid.unwrap_or_default(),
+        kv_blocks_total: replica.kv_blocks_total,
+        kv_blocks_used: replica.kv_blocks_used,
+        num_running: replica.num_running,
+        num_waiting: replica.num_waiting,
+        steps: replica.steps,
+        restarts: replica.restarts,
+        attached: replica.origin == ReplicaOrigin::Attached,
+        last_error: replica.last_error.clone().unwrap_or_default(),
     }
 }

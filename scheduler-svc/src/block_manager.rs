@@ -119,6 +119,17 @@ impl BlockManager {
         self.cache.hit_rate()
     }
 
+    /// (prompt tokens looked up, of them served from the cache).
+    pub fn prefix_lookup_counts(&self) -> (u64, u64) {
+        self.cache.lookup_counts()
+    }
+
+    /// How many leading tokens of `tokens` [`match_prefix`](Self::match_prefix) would serve from
+    /// the cache now, without taking anything or counting a lookup (for routing).
+    pub fn cached_prefix_len(&self, tokens: &[u32]) -> usize {
+        self.cached_chain(tokens).len() * self.block_size as usize
+    }
+
     /// Blocks needed to hold `tokens` tokens.
     pub fn blocks_for(&self, tokens: usize) -> u32 {
         tokens.div_ceil(self.block_size as usize) as u32
@@ -191,8 +202,27 @@ impl BlockManager {
     /// leaving at least one token to compute (its logits give the next token).
     pub fn match_prefix(&mut self, tokens: &[u32]) -> PrefixMatch {
         let mut found = PrefixMatch::default();
+        for (hash, block) in self.cached_chain(tokens) {
+            if self.ref_counts[block as usize] == 0 {
+                self.cache.mark_in_use(block);
+            }
+            self.ref_counts[block as usize] += 1;
+            found.blocks.push(block);
+            found.hashes.push(hash);
+        }
+        found.tokens = found.blocks.len() * self.block_size as usize;
+        if self.config.prefix_cache && !tokens.is_empty() {
+            self.cache.record_lookup(tokens.len(), found.tokens);
+        }
+        found
+    }
+
+    /// (chain hash, block) of the longest run of cached full blocks that starts `tokens`, leaving
+    /// at least one token uncovered.
+    fn cached_chain(&self, tokens: &[u32]) -> Vec<(u64, u32)> {
+        let mut chain = Vec::new();
         if !self.config.prefix_cache || tokens.is_empty() {
-            return found;
+            return chain;
         }
         let block_size = self.block_size as usize;
         let reusable = (tokens.len() - 1) / block_size;
@@ -201,17 +231,10 @@ impl BlockManager {
             let Some((hash, block)) = self.cache.lookup(parent, chunk) else {
                 break;
             };
-            if self.ref_counts[block as usize] == 0 {
-                self.cache.mark_in_use(block);
-            }
-            self.ref_counts[block as usize] += 1;
-            found.blocks.push(block);
-            found.hashes.push(hash);
+            chain.push((hash, block));
             parent = hash;
         }
-        found.tokens = found.blocks.len() * block_size;
-        self.cache.record_lookup(tokens.len(), found.tokens);
-        found
+        chain
     }
 
     /// Offers a sequence's newly completed blocks to the prefix cache. `hashes` holds the chain

@@ -54,8 +54,17 @@ pub struct ModelConfig {
 pub struct WorkerConfig {
     /// The `rivulet-worker` binary; by default the one next to `rivulet-scheduler`.
     pub binary: Option<PathBuf>,
-    /// `auto`, `cpu` or `cuda:N`.
+    /// Workers spawned as children of the scheduler (replicas of the model; 0 with an attach
+    /// socket: every worker attaches).
+    pub replicas: u32,
+    /// `auto`, `cpu` or `cuda:N`, for every spawned replica unless `devices` is set.
     pub device: String,
+    /// One device per spawned replica (`["cuda:0", "cuda:1"]`); its length must be `replicas`.
+    pub devices: Vec<String>,
+    /// Listen on this Unix socket for workers started elsewhere (`rivulet-worker --attach PATH`,
+    /// e.g. other containers of the pod with the socket on a shared volume). Their IPC handshake
+    /// socket is made in the scheduler's `TMPDIR`, which must be on a volume they share too.
+    pub attach_socket: Option<PathBuf>,
     /// Bytes of memory for the KV cache.
     pub kv_cache_memory: u64,
     /// Instead of `kv_cache_memory`: this fraction of the device's free memory once the weights
@@ -63,7 +72,7 @@ pub struct WorkerConfig {
     pub kv_cache_memory_fraction: Option<f64>,
     /// Tokens per KV block.
     pub block_size: u32,
-    /// libtorch intra-op threads (default: all cores).
+    /// libtorch intra-op threads (default: all cores, split between spawned replicas).
     pub threads: Option<u32>,
     /// CPU: keep f16 copies of the weights for steps of one token (single-stream decode), about
     /// twice as fast there; activations are rounded to f16, which can flip near-ties.
@@ -97,6 +106,8 @@ pub struct SchedulerConfig {
     pub prefix_cache: bool,
     /// Cached blocks unused this long are freed (default: only when space is needed).
     pub prefix_cache_ttl_seconds: Option<u64>,
+    /// Requests wait this long for a worker while none is ready, then end with UNAVAILABLE.
+    pub no_worker_timeout_secs: u64,
 }
 
 impl Default for Config {
@@ -113,7 +124,10 @@ impl Default for Config {
             },
             worker: WorkerConfig {
                 binary: None,
+                replicas: 1,
                 device: "auto".to_owned(),
+                devices: Vec::new(),
+                attach_socket: None,
                 kv_cache_memory: 1 << 30,
                 kv_cache_memory_fraction: None,
                 block_size: 16,
@@ -133,6 +147,7 @@ impl Default for Config {
                 backpressure_threshold: 0.8,
                 prefix_cache: true,
                 prefix_cache_ttl_seconds: None,
+                no_worker_timeout_secs: 60,
             },
         }
     }
@@ -185,6 +200,25 @@ impl Config {
         }
         if self.scheduler.default_max_new_tokens == 0 {
             return invalid("scheduler.default_max_new_tokens", "must be positive");
+        }
+        if !self.worker.devices.is_empty() && self.worker.devices.len() != self.worker.replicas as usize {
+            return invalid(
+                "worker.devices",
+                &format!(
+                    "lists {} devices for {} replicas (worker.replicas)",
+                    self.worker.devices.len(),
+                    self.worker.replicas
+                ),
+            );
+        }
+        if self.worker.replicas == 0 && self.worker.attach_socket.is_none() {
+            return invalid(
+                "worker.replicas",
+                "is 0 and no worker.attach_socket is set: no worker could ever serve",
+            );
+        }
+        if self.scheduler.no_worker_timeout_secs == 0 {
+            return invalid("scheduler.no_worker_timeout_secs", "must be positive");
         }
         if self.worker.step_timeout_secs == 0 || self.worker.startup_timeout_secs == 0 {
             return invalid("worker.step_timeout_secs", "timeouts must be positive");

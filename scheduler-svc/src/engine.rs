@@ -1,51 +1,48 @@
-//! The engine loop: one thread that owns every piece of scheduling state — the waiting queue, the
-//! running sequences, the block manager and the worker — and drives one iteration at a time
-//! (DESIGN.md §2). gRPC handlers talk to it only through [`EngineHandle`]; no locks.
+//! The engine loop: one thread that owns every piece of scheduling state — requests not yet
+//! routed, the replicas (each with its block manager, prefix cache and sequences) and the
+//! statistics — and plans and applies every step (DESIGN.md §1, §2). Handlers talk to it only
+//! through [`EngineHandle`]; replica drivers report through the same input channel. No locks.
+//!
+//! The engine never blocks on a worker: each replica's step runs on its driver thread while the
+//! engine plans the other replicas' steps, so replica B's step never waits for replica A's.
+//! Planning and applying outputs are a fraction of a percent of a step, so one owner for all
+//! replicas costs nothing measurable and keeps routing and moving sequences between replicas
+//! simple: they are moves between queues the engine owns.
 
 use std::sync::atomic::AtomicUsize;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rivulet_ipc::layout::MAX_TOP_LOGPROBS;
-use rivulet_ipc::{ReadyInfo, StepBuffer};
 use thiserror::Error;
-use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
-use tokio::sync::oneshot;
+use tokio::sync::mpsc::{self as tokio_mpsc, UnboundedReceiver, UnboundedSender};
+use tokio::sync::{oneshot, watch};
 
-use crate::block_manager::{BlockManager, BlockManagerConfig};
-use crate::completion::check_token_completion;
+use crate::block_manager::BlockManagerConfig;
 use crate::config::Config;
-use crate::output_text::TextProgress;
+use crate::model_limits::ModelLimits;
 use crate::queue::WaitingQueue;
 use crate::queue_ticket::QueueTicket;
-use crate::request::{
-    EngineError, FinishReason, GenerationRequest, SamplingParams, SequenceEvent, TokenLogprob, Usage,
-};
-use crate::scheduler::{Scheduler, SchedulerLimits, SchedulingPolicy, StepPlan};
+use crate::replica::attach_listener::AttachListener;
+use crate::replica::driver::{DriverHandle, ReplicaEvent, ReplicaMessage, WorkerSource};
+use crate::replica::live::LiveReplica;
+use crate::replica::{Replica, ReplicaId, ReplicaOrigin, ReplicaState};
+use crate::request::{EngineError, GenerationRequest, SequenceEvent};
+use crate::scheduler::{SchedulerLimits, SchedulingPolicy};
 use crate::sequence::{Sequence, SequenceId};
 use crate::stats::{EngineStats, StatsSnapshot};
-use crate::step_writer::write_step;
 use crate::tokenizer::ModelTokenizer;
-use crate::worker_client::{WorkerClient, WorkerClientError};
-
-/// How long after a failed worker restart the next one is tried.
-const RESTART_BACKOFF: Duration = Duration::from_secs(5);
+use crate::worker_client::{worker_binary, WorkerLaunch};
 
 #[derive(Debug, Error)]
 pub enum EngineStartError {
-    #[error("starting the worker: {0}")]
-    Worker(#[from] WorkerClientError),
-    #[error("the worker's vocabulary ({worker}) differs from the tokenizer's ({tokenizer})")]
-    VocabularyMismatch { worker: u32, tokenizer: u32 },
+    #[error("the worker binary `{0}` does not exist (set worker.binary)")]
+    WorkerBinaryMissing(String),
+    #[error("worker.attach_socket `{path}`: {source}")]
+    AttachSocket { path: String, source: std::io::Error },
     #[error("starting the engine thread: {0}")]
     Thread(#[from] std::io::Error),
-}
-
-/// What request validation needs to know about the served model.
-#[derive(Debug, Clone)]
-pub struct EngineInfo {
-    pub ready: ReadyInfo,
 }
 
 enum EngineCommand {
@@ -62,208 +59,303 @@ enum EngineCommand {
         reply: oneshot::Sender<SchedulingPolicy>,
     },
     ResetStatsWindow,
+    /// Scale-down: stop routing to replica `id`, let its sequences finish, then let it go.
+    DrainReplica {
+        id: ReplicaId,
+        reply: oneshot::Sender<Result<(), EngineError>>,
+    },
     /// Shutting down: refuse new requests; end those still running after `timeout`.
     Drain {
         timeout: Duration,
     },
 }
 
+/// Everything that wakes the engine.
+enum EngineInput {
+    Command(EngineCommand),
+    Replica(ReplicaMessage),
+    /// A worker connected to the attach socket.
+    Attached(std::os::unix::net::UnixStream),
+    /// The last [`EngineHandle`] was dropped: finish what is held, then stop.
+    HandlesDropped,
+}
+
+/// Sends `HandlesDropped` when the last handle goes.
+struct HandleGuard(Sender<EngineInput>);
+
+impl Drop for HandleGuard {
+    fn drop(&mut self) {
+        let _ = self.0.send(EngineInput::HandlesDropped);
+    }
+}
+
 /// A cheap, cloneable handle to the engine loop.
 #[derive(Clone)]
 pub struct EngineHandle {
-    commands: UnboundedSender<EngineCommand>,
+    inputs: Sender<EngineInput>,
     /// Requests submitted and not yet admitted for the first time (the admission queue's depth).
     queued: Arc<AtomicUsize>,
     max_queued: usize,
-    pub info: Arc<EngineInfo>,
+    pub limits: Arc<ModelLimits>,
+    /// True while some replica is ready to serve and the server is not shutting down.
+    pub serving: watch::Receiver<bool>,
+    _guard: Arc<HandleGuard>,
 }
 
 impl EngineHandle {
+    fn send(&self, command: EngineCommand) -> Result<(), EngineError> {
+        self.inputs
+            .send(EngineInput::Command(command))
+            .map_err(|_| EngineError::ShuttingDown)
+    }
+
+    async fn ask<T>(&self, command: impl FnOnce(oneshot::Sender<T>) -> EngineCommand) -> Result<T, EngineError> {
+        let (reply, answer) = oneshot::channel();
+        self.send(command(reply))?;
+        answer.await.map_err(|_| EngineError::ShuttingDown)
+    }
+
     /// Queues a validated request; its events arrive on the returned receiver. Dropping the
     /// receiver cancels the request at the next iteration. A full queue is `QueueFull`.
     pub fn submit(&self, request: GenerationRequest) -> Result<UnboundedReceiver<SequenceEvent>, EngineError> {
         let queue_ticket = QueueTicket::take(&self.queued, self.max_queued).map_err(EngineError::QueueFull)?;
-        let (events, receiver) = mpsc::unbounded_channel();
+        let (events, receiver) = tokio_mpsc::unbounded_channel();
         // On failure the unsent command, ticket included, is dropped: the place comes back.
-        self.commands
-            .send(EngineCommand::Submit {
-                request,
-                events,
-                queue_ticket,
-            })
-            .map_err(|_| EngineError::ShuttingDown)?;
+        self.send(EngineCommand::Submit {
+            request,
+            events,
+            queue_ticket,
+        })?;
         Ok(receiver)
     }
 
     pub async fn stats(&self) -> Result<StatsSnapshot, EngineError> {
-        let (reply, answer) = oneshot::channel();
-        self.commands
-            .send(EngineCommand::GetStats { reply })
-            .map_err(|_| EngineError::ShuttingDown)?;
-        answer.await.map_err(|_| EngineError::ShuttingDown)
+        self.ask(|reply| EngineCommand::GetStats { reply }).await
     }
 
     /// Starts a graceful shutdown: new requests are refused (`UNAVAILABLE`) and requests still
     /// running after `timeout` are ended with `UNAVAILABLE`.
     pub fn begin_drain(&self, timeout: Duration) {
-        let _ = self.commands.send(EngineCommand::Drain { timeout });
+        let _ = self.send(EngineCommand::Drain { timeout });
     }
 
     /// Switches the scheduling policy from the next iteration on; returns the previous one.
     pub async fn set_policy(&self, policy: SchedulingPolicy) -> Result<SchedulingPolicy, EngineError> {
-        let (reply, answer) = oneshot::channel();
-        self.commands
-            .send(EngineCommand::SetPolicy { policy, reply })
-            .map_err(|_| EngineError::ShuttingDown)?;
-        answer.await.map_err(|_| EngineError::ShuttingDown)
+        self.ask(|reply| EngineCommand::SetPolicy { policy, reply }).await
     }
 
     pub fn reset_stats_window(&self) -> Result<(), EngineError> {
-        self.commands
-            .send(EngineCommand::ResetStatsWindow)
-            .map_err(|_| EngineError::ShuttingDown)
+        self.send(EngineCommand::ResetStatsWindow)
+    }
+
+    /// Stops routing to replica `id`; it exits once its running sequences are done.
+    pub async fn drain_replica(&self, id: ReplicaId) -> Result<(), EngineError> {
+        self.ask(|reply| EngineCommand::DrainReplica { id, reply }).await?
     }
 }
 
-/// Starts the worker (waiting for it to be ready) and the engine thread. The thread ends when
-/// every [`EngineHandle`] is dropped, after finishing the requests it holds.
+/// Starts the engine thread, its spawned replicas and the attach socket; returns at once (the
+/// workers load in the background; `EngineHandle::serving` says when one is ready). The thread
+/// ends when every [`EngineHandle`] is dropped, after finishing the requests it holds.
 pub fn start(
     config: Config,
     tokenizer: Arc<ModelTokenizer>,
+    limits: ModelLimits,
 ) -> Result<(EngineHandle, JoinHandle<()>), EngineStartError> {
-    let worker = WorkerClient::spawn(&config)?;
-    let ready = worker.ready().clone();
-    if ready.model.vocab_size != tokenizer.vocab_size() {
-        return Err(EngineStartError::VocabularyMismatch {
-            worker: ready.model.vocab_size,
-            tokenizer: tokenizer.vocab_size(),
-        });
+    let binary = worker_binary(&config);
+    if config.worker.replicas > 0 && binary.components().count() > 1 && !binary.exists() {
+        return Err(EngineStartError::WorkerBinaryMissing(binary.display().to_string()));
     }
-    tracing::info!(?ready, "worker ready");
-    let (commands, command_rx) = mpsc::unbounded_channel();
-    let queued = Arc::new(AtomicUsize::new(0));
+    let (inputs, input_rx) = mpsc::channel();
+    let (serving_tx, serving) = watch::channel(false);
+    let limits = Arc::new(limits);
+    let attach_listener = match &config.worker.attach_socket {
+        Some(path) => {
+            let attached = inputs.clone();
+            let listener = AttachListener::bind(path, move |stream| {
+                let _ = attached.send(EngineInput::Attached(stream));
+            })
+            .map_err(|source| EngineStartError::AttachSocket {
+                path: path.display().to_string(),
+                source,
+            })?;
+            Some(listener)
+        }
+        None => None,
+    };
     let max_queued = config.scheduler.max_queued_requests as usize;
-    let engine = Engine::new(config, worker, tokenizer, command_rx);
+    let mut engine = Engine::new(config, tokenizer, limits.clone(), inputs.clone(), input_rx, serving_tx);
+    engine.attach_listener = attach_listener;
+    for index in 0..engine.config.worker.replicas as usize {
+        engine.add_replica(ReplicaOrigin::Spawned, WorkerSource::Spawn, index)?;
+    }
     let thread = std::thread::Builder::new()
         .name("engine".to_owned())
         .spawn(move || engine.run())?;
     let handle = EngineHandle {
-        commands,
-        queued,
+        inputs: inputs.clone(),
+        queued: Arc::new(AtomicUsize::new(0)),
         max_queued,
-        info: Arc::new(EngineInfo { ready }),
+        limits,
+        serving,
+        _guard: Arc::new(HandleGuard(inputs)),
     };
     Ok((handle, thread))
 }
 
 struct Engine {
     config: Config,
-    worker: Option<WorkerClient>,
-    last_restart: Instant,
-    ready: ReadyInfo,
     tokenizer: Arc<ModelTokenizer>,
-    scheduler: Scheduler,
-    blocks: BlockManager,
-    running: Vec<Sequence>,
-    waiting: WaitingQueue,
+    limits: Arc<ModelLimits>,
+    scheduler_limits: SchedulerLimits,
+    block_config: BlockManagerConfig,
+    policy: SchedulingPolicy,
+    replicas: Vec<Replica>,
+    /// Requests no replica has taken yet (none is ready, or they lost theirs).
+    unrouted: WaitingQueue,
     stats: EngineStats,
-    commands: UnboundedReceiver<EngineCommand>,
-    commands_open: bool,
+    inputs: Receiver<EngineInput>,
+    /// For the drivers the engine starts.
+    input_sender: Sender<EngineInput>,
+    handles_open: bool,
     /// Set once a graceful shutdown began: when the remaining requests are ended.
     drain_deadline: Option<Instant>,
-    next_id: SequenceId,
-    step: u64,
+    serving: watch::Sender<bool>,
+    /// Drivers of replicas that left the pool, joined when the engine stops.
+    retired: Vec<DriverHandle>,
+    attach_listener: Option<AttachListener>,
+    next_sequence_id: SequenceId,
+    next_replica_id: ReplicaId,
 }
 
 impl Engine {
     fn new(
         config: Config,
-        worker: WorkerClient,
         tokenizer: Arc<ModelTokenizer>,
-        commands: UnboundedReceiver<EngineCommand>,
+        limits: Arc<ModelLimits>,
+        input_sender: Sender<EngineInput>,
+        inputs: Receiver<EngineInput>,
+        serving: watch::Sender<bool>,
     ) -> Self {
-        let ready = worker.ready().clone();
-        let limits = SchedulerLimits {
-            max_num_seqs: config.scheduler.max_num_seqs as usize,
-            max_num_batched_tokens: config.scheduler.max_num_batched_tokens as usize,
-        };
-        let scheduler = Scheduler::new(limits, config.scheduler.policy);
-        let block_config = BlockManagerConfig {
-            reserved_block_ratio: config.scheduler.reserved_block_ratio,
-            backpressure_threshold: config.scheduler.backpressure_threshold,
-            prefix_cache: config.scheduler.prefix_cache,
-            prefix_cache_ttl: config.scheduler.prefix_cache_ttl_seconds.map(Duration::from_secs),
-        };
+        let scheduler = &config.scheduler;
         Self {
-            blocks: BlockManager::new(ready.num_blocks, ready.block_size, block_config),
-            worker: Some(worker),
-            last_restart: Instant::now(),
-            ready,
+            scheduler_limits: SchedulerLimits {
+                max_num_seqs: scheduler.max_num_seqs as usize,
+                max_num_batched_tokens: scheduler.max_num_batched_tokens as usize,
+            },
+            block_config: BlockManagerConfig {
+                reserved_block_ratio: scheduler.reserved_block_ratio,
+                backpressure_threshold: scheduler.backpressure_threshold,
+                prefix_cache: scheduler.prefix_cache,
+                prefix_cache_ttl: scheduler.prefix_cache_ttl_seconds.map(Duration::from_secs),
+            },
+            policy: scheduler.policy,
             config,
             tokenizer,
-            scheduler,
-            running: Vec::new(),
-            waiting: WaitingQueue::default(),
+            limits,
+            replicas: Vec::new(),
+            unrouted: WaitingQueue::default(),
             stats: EngineStats::default(),
-            commands,
-            commands_open: true,
+            inputs,
+            input_sender,
+            handles_open: true,
             drain_deadline: None,
-            next_id: 1,
-            step: 0,
+            serving,
+            retired: Vec::new(),
+            attach_listener: None,
+            next_sequence_id: 1,
+            next_replica_id: 0,
         }
     }
 
     fn run(mut self) {
         loop {
-            self.receive_commands();
-            if !self.commands_open && self.is_idle() {
+            self.receive_inputs();
+            if !self.handles_open && self.is_idle() {
                 break;
             }
             self.drop_abandoned();
-            if self.drain_deadline.is_some_and(|deadline| Instant::now() >= deadline) && !self.is_idle() {
-                tracing::warn!(
-                    running = self.running.len(),
-                    "shutdown timeout: ending the remaining requests"
-                );
-                self.fail_all(EngineError::ShuttingDown);
-            }
-            if self.is_idle() {
-                continue;
-            }
-            if self.worker.is_none() && !self.restart_worker() {
-                self.fail_all(EngineError::WorkerUnavailable("the worker is restarting".to_owned()));
-                continue;
-            }
-            self.iterate();
+            self.enforce_deadlines();
+            self.route_unrouted();
+            self.rebalance_waiting();
+            self.retire_drained();
+            self.start_steps();
+            self.publish_health();
         }
-        tracing::info!("engine loop stopped");
+        self.shut_down();
     }
 
     fn is_idle(&self) -> bool {
-        self.running.is_empty() && self.waiting.is_empty()
+        self.unrouted.is_empty()
+            && self
+                .replicas
+                .iter()
+                .filter_map(|r| r.live.as_ref())
+                .all(|live| !live.has_work() && !live.is_stepping())
     }
 
-    /// Takes every queued command; when there is nothing to do, waits for one (no spinning).
-    fn receive_commands(&mut self) {
-        if self.is_idle() && self.commands_open {
-            match self.commands.blocking_recv() {
-                Some(command) => self.handle(command),
-                None => self.commands_open = false,
+    /// Some replica could start a step now, so the engine must not wait for input.
+    fn can_start_a_step(&self) -> bool {
+        self.replicas
+            .iter()
+            .filter_map(|r| r.live.as_ref())
+            .any(|live| live.has_work() && !live.is_stepping())
+    }
+
+    /// Takes every pending input; when there is nothing to do, waits for one (no spinning), at
+    /// most until the next deadline.
+    fn receive_inputs(&mut self) {
+        let must_wait = !self.can_start_a_step() && !(!self.handles_open && self.is_idle());
+        if must_wait {
+            let received = match self.next_deadline() {
+                Some(deadline) => self
+                    .inputs
+                    .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+                    .map_err(|e| e == RecvTimeoutError::Disconnected),
+                None => self.inputs.recv().map_err(|_| true),
+            };
+            match received {
+                Ok(input) => self.handle(input),
+                Err(true) => self.handles_open = false,
+                Err(false) => {}
             }
         }
-        loop {
-            match self.commands.try_recv() {
-                Ok(command) => self.handle(command),
-                Err(mpsc::error::TryRecvError::Empty) => break,
-                Err(mpsc::error::TryRecvError::Disconnected) => {
-                    self.commands_open = false;
-                    break;
+        while let Ok(input) = self.inputs.try_recv() {
+            self.handle(input);
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        let no_worker = self
+            .unrouted
+            .iter()
+            .filter_map(|seq| seq.unrouted_since)
+            .min()
+            .map(|since| since + self.no_worker_timeout());
+        [self.drain_deadline, no_worker].into_iter().flatten().min()
+    }
+
+    fn no_worker_timeout(&self) -> Duration {
+        Duration::from_secs(self.config.scheduler.no_worker_timeout_secs)
+    }
+
+    fn handle(&mut self, input: EngineInput) {
+        match input {
+            EngineInput::Command(command) => self.handle_command(command),
+            EngineInput::Replica(message) => self.handle_replica(message),
+            EngineInput::Attached(stream) => {
+                if self.drain_deadline.is_some() {
+                    return; // shutting down: the worker sees the connection close
+                }
+                if let Err(error) = self.add_replica(ReplicaOrigin::Attached, WorkerSource::Attached(stream), 0) {
+                    tracing::error!(%error, "cannot start a driver for an attached worker");
                 }
             }
+            EngineInput::HandlesDropped => self.handles_open = false,
         }
     }
 
-    fn handle(&mut self, command: EngineCommand) {
+    fn handle_command(&mut self, command: EngineCommand) {
         match command {
             EngineCommand::Submit {
                 request,
@@ -274,247 +366,320 @@ impl Engine {
                     let _ = events.send(SequenceEvent::Failed(EngineError::ShuttingDown));
                     return;
                 }
-                let id = self.next_id;
-                self.next_id += 1;
-                self.waiting.push_back(Sequence::new(id, request, events, queue_ticket));
+                let id = self.next_sequence_id;
+                self.next_sequence_id += 1;
+                self.unrouted.push_back(Sequence::new(id, request, events, queue_ticket));
             }
             EngineCommand::GetStats { reply } => {
-                let snapshot = self.stats.snapshot(
-                    self.waiting.len(),
-                    self.running.len(),
-                    &self.blocks,
-                    self.scheduler.policy,
-                );
-                let _ = reply.send(snapshot);
+                let _ = reply.send(self.stats.snapshot(self.unrouted.len(), &self.replicas, self.policy));
             }
             EngineCommand::SetPolicy { policy, reply } => {
-                let previous = std::mem::replace(&mut self.scheduler.policy, policy);
+                let previous = std::mem::replace(&mut self.policy, policy);
+                for live in self.replicas.iter_mut().filter_map(|r| r.live.as_mut()) {
+                    live.scheduler.policy = policy;
+                }
                 tracing::info!(?previous, ?policy, "scheduling policy changed");
                 let _ = reply.send(previous);
             }
             EngineCommand::ResetStatsWindow => self.stats.reset_window(),
+            EngineCommand::DrainReplica { id, reply } => {
+                let _ = reply.send(self.drain_replica(id));
+            }
             EngineCommand::Drain { timeout } => {
-                tracing::info!(running = self.running.len(), waiting = self.waiting.len(), "draining");
+                tracing::info!(waiting = self.unrouted.len(), "draining");
                 self.drain_deadline = Some(Instant::now() + timeout);
+            }
+        }
+    }
+
+    /// Adds a replica and starts its driver; `index` picks a spawned replica's device.
+    fn add_replica(&mut self, origin: ReplicaOrigin, source: WorkerSource, index: usize) -> std::io::Result<()> {
+        let id = self.next_replica_id;
+        self.next_replica_id += 1;
+        let launch = WorkerLaunch::from_config(&self.config, index, self.config.worker.replicas as usize);
+        let device = match origin {
+            ReplicaOrigin::Spawned => launch.device.clone(),
+            ReplicaOrigin::Attached => "attached".to_owned(),
+        };
+        let inputs = self.input_sender.clone();
+        let driver = DriverHandle::start(id, source, launch, move |message| {
+            let _ = inputs.send(EngineInput::Replica(message));
+        })?;
+        tracing::info!(replica = id, ?origin, %device, "replica added");
+        self.replicas.push(Replica::new(id, origin, device, driver));
+        Ok(())
+    }
+
+    fn handle_replica(&mut self, message: ReplicaMessage) {
+        let Some(index) = self.replicas.iter().position(|r| r.id == message.replica) else {
+            return; // a replica that already left
+        };
+        let replica = &mut self.replicas[index];
+        let current = message.incarnation == replica.incarnation;
+        match message.event {
+            ReplicaEvent::Starting => {
+                if replica.incarnation > 0 {
+                    replica.restarts += 1;
+                }
+                replica.incarnation = message.incarnation;
+                if replica.state != ReplicaState::Draining {
+                    replica.state = ReplicaState::Starting;
+                }
+            }
+            ReplicaEvent::Ready { pid, ready, buffer } if current => {
+                replica.pid = Some(pid);
+                replica.device = ready.device.clone();
+                if let Err(problem) = self.check_compatible(&ready) {
+                    tracing::error!(replica = message.replica, %problem, "worker does not serve this model; letting it go");
+                    let replica = &mut self.replicas[index];
+                    replica.last_error = Some(problem);
+                    replica.state = ReplicaState::Failed;
+                    replica.driver.stop();
+                    return;
+                }
+                self.limits
+                    .record_kv_capacity(ready.num_blocks as usize * ready.block_size as usize);
+                let live = LiveReplica::new(ready, buffer, self.scheduler_limits, self.policy, self.block_config);
+                let replica = &mut self.replicas[index];
+                replica.live = Some(live);
+                if replica.state != ReplicaState::Draining {
+                    replica.state = ReplicaState::Ready;
+                }
+            }
+            ReplicaEvent::StepDone { step, buffer, timing } if current => {
+                replica.steps += 1;
+                if let Some(live) = replica.live.as_mut() {
+                    live.finish_step(step, buffer, timing, &self.tokenizer, &mut self.stats);
+                }
+            }
+            ReplicaEvent::Ready { .. } | ReplicaEvent::StepDone { .. } => {}
+            ReplicaEvent::Failed { error, restarting } => {
+                replica.last_error = Some(error);
+                if replica.state != ReplicaState::Draining {
+                    replica.state = ReplicaState::Failed;
+                }
+                tracing::warn!(replica = message.replica, restarting, "replica lost its worker");
+                self.lose_worker(index);
+            }
+            ReplicaEvent::Exited => {
+                self.lose_worker(index);
+                let replica = self.replicas.remove(index);
+                tracing::info!(replica = replica.id, "replica left the pool");
+                self.retired.push(replica.driver);
+            }
+        }
+    }
+
+    /// A worker that serves another model, vocabulary or block size cannot join.
+    fn check_compatible(&self, ready: &rivulet_ipc::ReadyInfo) -> Result<(), String> {
+        let tokenizer_vocab = self.tokenizer.vocab_size();
+        if ready.model.vocab_size != tokenizer_vocab {
+            return Err(format!(
+                "its vocabulary ({}) differs from the tokenizer's ({tokenizer_vocab})",
+                ready.model.vocab_size
+            ));
+        }
+        if ready.block_size != self.config.worker.block_size {
+            return Err(format!(
+                "its KV block size {} is not worker.block_size {}",
+                ready.block_size, self.config.worker.block_size
+            ));
+        }
+        if ready.max_model_len < self.limits.max_model_len {
+            return Err(format!(
+                "its context of {} tokens is shorter than the served {}",
+                ready.max_model_len, self.limits.max_model_len
+            ));
+        }
+        Ok(())
+    }
+
+    /// The replica's worker is gone with its KV cache: its block manager and prefix cache go with
+    /// it, and its sequences move to the unrouted queue, to be recomputed on another replica.
+    fn lose_worker(&mut self, index: usize) {
+        let replica = &mut self.replicas[index];
+        replica.pid = None;
+        if let Some(live) = replica.live.take() {
+            let id = replica.id;
+            self.reroute(id, live.evacuate());
+        }
+    }
+
+    /// Puts sequences that left replica `from` back in the unrouted queue, ahead of new arrivals.
+    fn reroute(&mut self, from: ReplicaId, sequences: Vec<Sequence>) {
+        if !sequences.is_empty() {
+            tracing::warn!(replica = from, sequences = sequences.len(), "moving sequences to other replicas");
+        }
+        let now = Instant::now();
+        for mut seq in sequences.into_iter().rev() {
+            seq.unrouted_since = Some(now);
+            self.unrouted.push_front(seq);
+        }
+    }
+
+    fn drain_replica(&mut self, id: ReplicaId) -> Result<(), EngineError> {
+        let index = self
+            .replicas
+            .iter()
+            .position(|r| r.id == id)
+            .ok_or(EngineError::UnknownReplica(id))?;
+        let replica = &mut self.replicas[index];
+        tracing::info!(replica = id, "draining replica");
+        replica.state = ReplicaState::Draining;
+        if let Some(waiting) = replica.live.as_mut().map(LiveReplica::take_waiting) {
+            self.reroute(id, waiting);
+        }
+        Ok(())
+    }
+
+    /// Draining replicas whose last sequence finished leave the pool; their workers exit.
+    fn retire_drained(&mut self) {
+        let mut index = 0;
+        while index < self.replicas.len() {
+            let replica = &self.replicas[index];
+            let done = replica.state == ReplicaState::Draining
+                && replica.live.as_ref().is_none_or(|l| !l.has_work() && !l.is_stepping());
+            if done {
+                self.lose_worker(index);
+                let mut replica = self.replicas.remove(index);
+                tracing::info!(replica = replica.id, "replica drained; its worker exits");
+                replica.driver.stop();
+                self.retired.push(replica.driver);
+            } else {
+                index += 1;
             }
         }
     }
 
     /// Cancellation: a client that went away has its sequence removed and its blocks freed.
     fn drop_abandoned(&mut self) {
-        let blocks = &mut self.blocks;
-        self.running.retain_mut(|seq| {
-            let keep = !seq.is_abandoned();
-            if !keep {
-                blocks.release(&mut seq.blocks);
-                tracing::debug!(id = seq.id, "cancelled");
-            }
-            keep
-        });
-        self.waiting.retain_mut(|seq| {
-            let keep = !seq.is_abandoned();
-            if !keep {
-                blocks.release(&mut seq.blocks);
-            }
-            keep
-        });
-    }
-
-    fn iterate(&mut self) {
-        let started = Instant::now();
-        self.blocks.expire_cached(started);
-        let plan = self
-            .scheduler
-            .plan(&mut self.running, &mut self.waiting, &mut self.blocks);
-        self.stats.num_preemptions += plan.preempted as u64;
-        if plan.seqs.is_empty() {
-            // Nothing fits even alone: validation makes this unreachable, but never spin on it.
-            if let Some(seq) = self.waiting.pop_front() {
-                let _ = seq.events.send(SequenceEvent::Failed(EngineError::WorkerUnavailable(
-                    "the request does not fit in the KV cache".to_owned(),
-                )));
-            }
-            return;
-        }
-        self.step += 1;
-        self.stats.iterations += 1;
-        let Some(worker) = self.worker.as_mut() else { return };
-        write_step(
-            worker.buffer_mut(),
-            self.step,
-            &plan,
-            &self.running,
-            self.blocks.block_size(),
-        );
-        let planned = started.elapsed();
-        match worker.run_step(self.step) {
-            Ok(timing) => {
-                let returned = Instant::now();
-                self.apply_outputs(&plan);
-                let applied = returned.elapsed();
-                self.stats
-                    .record_step(started.elapsed(), timing.worker, planned + applied);
-            }
-            Err(error) => self.on_worker_failure(error),
+        self.unrouted.retain_mut(|seq| !seq.is_abandoned());
+        for live in self.replicas.iter_mut().filter_map(|r| r.live.as_mut()) {
+            live.drop_abandoned();
         }
     }
 
-    fn apply_outputs(&mut self, plan: &StepPlan) {
-        let Some(worker) = self.worker.as_ref() else { return };
-        let buffer = worker.buffer();
-        let sampled = buffer.i64_array(buffer.layout().sampled_tokens);
-        let max_model_len = self.ready.max_model_len as usize;
-        let mut finished: Vec<(usize, FinishReason, String, Vec<TokenLogprob>)> = Vec::new();
-        let mut generated = 0;
-        for (slot, scheduled) in plan.seqs.iter().enumerate() {
-            let seq = &mut self.running[scheduled.running_index];
-            seq.num_computed += scheduled.num_tokens;
-            self.blocks
-                .register_full_blocks(&seq.tokens, seq.num_computed, &seq.blocks, &mut seq.block_hashes);
-            if !scheduled.sample {
-                continue;
-            }
-            let token = sampled[slot] as u32;
-            seq.tokens.push(token);
-            generated += 1;
-            let logprobs = read_logprobs(buffer, slot, token, &seq.request.sampling);
-            let token_reason = check_token_completion(seq, &self.ready.eos_token_ids, max_model_len);
-            let mut delta = match seq.detokenizer.push(&self.tokenizer, token) {
-                Ok(text) => text,
-                Err(error) => {
-                    let _ = seq
-                        .events
-                        .send(SequenceEvent::Failed(EngineError::Detokenize(error.to_string())));
-                    finished.push((
-                        scheduled.running_index,
-                        FinishReason::Cancelled,
-                        String::new(),
-                        Vec::new(),
-                    ));
-                    continue;
-                }
-            };
-            if token_reason.is_some() {
-                delta.push_str(&seq.detokenizer.flush(&self.tokenizer).unwrap_or_default());
-            }
-            let min_reached = seq.num_generated() >= seq.request.stopping.min_new_tokens as usize;
-            let outcome = match (seq.output.push(&delta, min_reached), token_reason) {
-                (TextProgress::Continue(text), None) => {
-                    let _ = seq.events.send(SequenceEvent::Tokens {
-                        token_ids: vec![token],
-                        text,
-                        logprobs,
-                    });
-                    continue;
-                }
-                (TextProgress::Continue(mut text), Some(reason)) => {
-                    text.push_str(&seq.output.finish());
-                    (reason, text)
-                }
-                (TextProgress::StopString(text) | TextProgress::CharLimit(text), Some(reason)) => (reason, text),
-                (TextProgress::StopString(text), None) => (FinishReason::StopString, text),
-                (TextProgress::CharLimit(text), None) => (FinishReason::Length, text),
-            };
-            finished.push((scheduled.running_index, outcome.0, outcome.1, logprobs));
+    fn enforce_deadlines(&mut self) {
+        let now = Instant::now();
+        if self.drain_deadline.is_some_and(|deadline| now >= deadline) && !self.is_idle() {
+            tracing::warn!("shutdown timeout: ending the remaining requests");
+            self.fail_everything(&EngineError::ShuttingDown);
         }
-        self.stats.record_tokens(generated);
-        // Remove from the back so earlier indices stay valid.
-        finished.sort_unstable_by_key(|(index, ..)| std::cmp::Reverse(*index));
-        for (index, reason, text, logprobs) in finished {
-            let mut seq = self.running.remove(index);
-            self.blocks.release(&mut seq.blocks);
-            if reason == FinishReason::Cancelled {
-                continue;
-            }
-            let usage = Usage {
-                prompt_tokens: seq.prompt_len() as u32,
-                completion_tokens: seq.num_generated() as u32,
-                cached_prompt_tokens: seq.cached_prompt_tokens as u32,
-            };
-            let last_token = seq.tokens.last().copied().into_iter().collect();
-            let _ = seq.events.send(SequenceEvent::Finished {
-                reason,
-                token_ids: last_token,
-                text,
-                usage,
-                logprobs,
+        let timeout = self.no_worker_timeout();
+        let expired = |seq: &Sequence| seq.unrouted_since.is_some_and(|since| now >= since + timeout);
+        if self.unrouted.iter().any(expired) {
+            let error = EngineError::WorkerUnavailable(format!("no worker was ready within {timeout:?}"));
+            self.unrouted.retain_mut(|seq| {
+                if expired(seq) {
+                    let _ = seq.events.send(SequenceEvent::Failed(error.clone()));
+                    return false;
+                }
+                true
             });
         }
     }
 
-    /// The worker died, hung or refused the step: the running requests fail with UNAVAILABLE,
-    /// every block is freed, and a new worker is started. Waiting requests wait for it.
-    fn on_worker_failure(&mut self, error: WorkerClientError) {
-        tracing::error!(%error, "worker failed; restarting it");
-        let message = error.to_string();
-        for mut seq in self.running.drain(..) {
-            self.blocks.release(&mut seq.blocks);
-            let _ = seq
-                .events
-                .send(SequenceEvent::Failed(EngineError::WorkerUnavailable(message.clone())));
-        }
-        for seq in self.waiting.iter_mut() {
-            self.blocks.release(&mut seq.blocks);
-            seq.num_computed = 0;
-        }
-        self.worker = None;
-        self.restart_worker();
-    }
-
-    fn restart_worker(&mut self) -> bool {
-        if self.worker.is_some() {
-            return true;
-        }
-        if self.last_restart.elapsed() < RESTART_BACKOFF && self.step > 0 {
-            std::thread::sleep(RESTART_BACKOFF.saturating_sub(self.last_restart.elapsed()));
-        }
-        self.last_restart = Instant::now();
-        match WorkerClient::spawn(&self.config) {
-            Ok(worker)
-                if worker.ready().num_blocks == self.ready.num_blocks
-                    && worker.ready().block_size == self.ready.block_size =>
-            {
-                tracing::info!("worker restarted");
-                self.worker = Some(worker);
-                true
-            }
-            Ok(_) => {
-                tracing::error!("restarted worker reports a different KV cache; not using it");
-                false
-            }
-            Err(error) => {
-                tracing::error!(%error, "worker restart failed");
-                false
-            }
-        }
-    }
-
-    fn fail_all(&mut self, error: EngineError) {
-        for mut seq in self.running.drain(..).chain(self.waiting.drain()) {
-            self.blocks.release(&mut seq.blocks);
+    fn fail_everything(&mut self, error: &EngineError) {
+        for seq in self.unrouted.drain() {
             let _ = seq.events.send(SequenceEvent::Failed(error.clone()));
         }
+        for live in self.replicas.iter_mut().filter_map(|r| r.live.as_mut()) {
+            live.fail_all(error);
+        }
     }
-}
 
-/// The logprobs of the token sampled in `slot`, when the request asked for them.
-fn read_logprobs(buffer: &StepBuffer, slot: usize, token: u32, sampling: &SamplingParams) -> Vec<TokenLogprob> {
-    if !sampling.wants_logprobs() {
-        return Vec::new();
+    /// Gives every unrouted request to a replica: the one with the longest prefix-cache hit for
+    /// it, then the one with the most KV room left after its own queue.
+    fn route_unrouted(&mut self) {
+        while let Some(mut seq) = self.unrouted.pop_front() {
+            let best = self
+                .replicas
+                .iter()
+                .enumerate()
+                .filter_map(|(index, replica)| replica.routable().map(|live| (index, live)))
+                .max_by_key(|(_, live)| (live.blocks.cached_prefix_len(&seq.tokens), live.room_after_queue()))
+                .map(|(index, _)| index);
+            let Some(index) = best else {
+                self.unrouted.push_front(seq);
+                return;
+            };
+            seq.unrouted_since = None;
+            if let Some(live) = self.replicas[index].live.as_mut() {
+                // A sequence that ran before goes ahead of new arrivals of its priority.
+                if seq.queue_ticket.is_none() {
+                    live.waiting.push_front(seq);
+                } else {
+                    live.waiting.push_back(seq);
+                }
+            }
+        }
     }
-    let layout = buffer.layout();
-    let row = slot * MAX_TOP_LOGPROBS;
-    let count = sampling.top_logprobs as usize;
-    let ids = &buffer.i64_array(layout.top_logprob_ids)[row..row + count];
-    let values = &buffer.f32_array(layout.top_logprob_values)[row..row + count];
-    let top = ids
-        .iter()
-        .zip(values)
-        .map(|(&id, &logprob)| (id as u32, logprob))
-        .collect();
-    vec![TokenLogprob {
-        token_id: token,
-        logprob: buffer.f32_array(layout.sampled_logprobs)[slot],
-        top,
-    }]
+
+    /// A ready replica with nothing waiting and room in its batch takes waiting requests from the
+    /// replica with the longest queue, so that no replica idles while another one queues.
+    fn rebalance_waiting(&mut self) {
+        let max_num_seqs = self.scheduler_limits.max_num_seqs;
+        let Some(idle) = self.replicas.iter().position(|r| {
+            r.routable()
+                .is_some_and(|live| live.waiting.is_empty() && live.running.len() < max_num_seqs)
+        }) else {
+            return;
+        };
+        let busiest = self
+            .replicas
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| *index != idle)
+            .filter_map(|(index, r)| r.live.as_ref().map(|live| (index, live.waiting.len())))
+            .filter(|(_, waiting)| *waiting > 0)
+            .max_by_key(|(_, waiting)| *waiting);
+        let Some((donor, waiting)) = busiest else { return };
+        let room = max_num_seqs - self.replicas[idle].live.as_ref().map_or(0, |l| l.running.len());
+        let count = waiting.div_ceil(2).min(room);
+        let moved = match self.replicas[donor].live.as_mut() {
+            Some(live) => live.take_last_waiting(count),
+            None => return,
+        };
+        if let Some(live) = self.replicas[idle].live.as_mut() {
+            for seq in moved {
+                live.waiting.push_back(seq);
+            }
+        }
+    }
+
+    /// Every replica that is between steps and has work starts its next step.
+    fn start_steps(&mut self) {
+        for index in 0..self.replicas.len() {
+            let replica = &mut self.replicas[index];
+            let Some(live) = replica.live.as_mut() else { continue };
+            let Some((step, buffer)) = live.begin_step(&mut self.stats) else {
+                continue;
+            };
+            if let Err(buffer) = replica.driver.run_step(step, buffer) {
+                // The driver is gone; its `Exited` message follows and moves the sequences.
+                live.cancel_step(buffer);
+            }
+        }
+    }
+
+    fn publish_health(&self) {
+        let serving = self.drain_deadline.is_none() && self.replicas.iter().any(|r| r.routable().is_some());
+        self.serving.send_if_modified(|current| {
+            let changed = *current != serving;
+            *current = serving;
+            changed
+        });
+    }
+
+    /// Lets every worker go (each exits, its step buffer unlinked) and waits for the drivers.
+    fn shut_down(mut self) {
+        self.attach_listener = None;
+        let _ = self.serving.send(false);
+        let replicas = std::mem::take(&mut self.replicas);
+        self.retired.extend(replicas.into_iter().map(|replica| replica.driver));
+        for driver in self.retired.drain(..) {
+            driver.join();
+        }
+        tracing::info!("engine loop stopped");
+    }
 }

@@ -2,11 +2,13 @@
 //! queueing, scheduling, paged KV accounting and completion. See `../shared/DESIGN.md`.
 //!
 //! - [`server`] / [`service`]: gRPC (Generation, health, reflection), errors mapped to `Status`.
-//! - [`engine`]: the single loop that owns all scheduling state and drives the worker.
+//! - [`engine`]: the single loop that owns all scheduling state, routes requests to replicas and
+//!   plans and applies their steps.
+//! - [`replica`]: one worker process and the state that lives and dies with it; its driver thread.
 //! - [`scheduler`]: planning each iteration (continuous batching, chunked prefill, preemption).
 //! - [`block_manager`]: paged KV block accounting.
 //! - [`completion`], [`detokenizer`], [`tokenizer`]: text in and out.
-//! - [`worker_client`], [`step_writer`]: the worker process and its shared-memory step buffer.
+//! - [`worker_client`], [`step_writer`]: a worker process and its shared-memory step buffer.
 
 pub mod admin;
 pub mod block_manager;
@@ -15,10 +17,12 @@ pub mod completion;
 pub mod config;
 pub mod detokenizer;
 pub mod engine;
+pub mod model_limits;
 pub mod output_text;
 pub mod prefix_cache;
 pub mod queue;
 pub mod queue_ticket;
+pub mod replica;
 pub mod request;
 pub mod sampling_validation;
 pub mod scheduler;

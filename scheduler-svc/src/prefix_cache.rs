@@ -61,6 +61,11 @@ impl PrefixCache {
         self.hit_tokens += hit as u64;
     }
 
+    /// (prompt tokens looked up, of them served from the cache), for pooling over replicas.
+    pub fn lookup_counts(&self) -> (u64, u64) {
+        (self.queried_tokens, self.hit_tokens)
+    }
+
     /// Share of looked-up prompt tokens that were served from the cache.
     pub fn hit_rate(&self) -> f64 {
         if self.queried_tokens == 0 {

@@ -147,6 +147,8 @@ pub enum EngineError {
     QueueFull(usize),
     #[error("detokenizing: {0}")]
     Detokenize(String),
+    #[error("no worker replica {0}")]
+    UnknownReplica(u32),
 }
 
 /// Invalid input, naming the field.

@@ -227,9 +227,7 @@ fn admit(
         Admission::Accepted { .. }
     );
     if !accepted || !grow(&mut seq, num_tokens, blocks) {
-        blocks.release(&mut seq.blocks);
-        seq.block_hashes.clear();
-        seq.num_computed = 0;
+        seq.release_kv(blocks);
         waiting.push_front(seq);
         return None;
     }
@@ -267,7 +265,7 @@ fn make_room(
             .map(|(i, _)| i)
             .unwrap_or(index);
         let mut seq = running.remove(victim);
-        preempt(&mut seq, blocks);
+        seq.release_kv(blocks);
         waiting.push_front(seq);
         plan.preempted += 1;
         if victim == index {
@@ -303,13 +301,6 @@ fn grow(seq: &mut Sequence, num_tokens: usize, blocks: &mut BlockManager) -> boo
         }
         None => false,
     }
-}
-
-/// Frees a sequence's KV; it will be recomputed from its tokens.
-pub fn preempt(seq: &mut Sequence, blocks: &mut BlockManager) {
-    blocks.release(&mut seq.blocks);
-    seq.block_hashes.clear();
-    seq.num_computed = 0;
 }
 
 #[cfg(test)]

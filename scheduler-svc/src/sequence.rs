@@ -1,8 +1,11 @@
 //! A request being served: its tokens, how many of them have KV in the cache, its block table and
 //! the channel its results go to.
 
+use std::time::Instant;
+
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::block_manager::BlockManager;
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::output_text::OutputText;
 use crate::queue_ticket::QueueTicket;
@@ -29,6 +32,8 @@ pub struct Sequence {
     /// Its place in the admission queue, held until its first admission.
     pub queue_ticket: Option<QueueTicket>,
     pub events: UnboundedSender<SequenceEvent>,
+    /// Since when it waits for a replica to take it (none is ready); `None` once routed.
+    pub unrouted_since: Option<Instant>,
 }
 
 impl Sequence {
@@ -56,6 +61,7 @@ impl Sequence {
             cached_prompt_tokens: 0,
             detokenizer: IncrementalDetokenizer::default(),
             events,
+            unrouted_since: Some(Instant::now()),
         }
     }
 
@@ -71,6 +77,21 @@ impl Sequence {
     /// its prefill is done, one token while decoding.
     pub fn num_uncomputed(&self) -> usize {
         self.tokens.len() - self.num_computed
+    }
+
+    /// Gives its KV blocks back to `blocks` (the manager they came from) and forgets them: it will
+    /// be recomputed from its tokens. The one way a sequence lets go of its blocks.
+    pub fn release_kv(&mut self, blocks: &mut BlockManager) {
+        blocks.release(&mut self.blocks);
+        self.forget_kv();
+    }
+
+    /// Its replica is gone, and the KV with it: nothing to give back, everything to recompute
+    /// (prompt and generated tokens) on whichever replica takes it next.
+    pub fn forget_kv(&mut self) {
+        self.blocks.clear();
+        self.block_hashes.clear();
+        self.num_computed = 0;
     }
 
     /// The client went away (dropped its stream or call): nobody wants the result.

@@ -1,5 +1,6 @@
 //! Assembling and running the gRPC server: the Generation service, the standard health service and
-//! server reflection, with graceful shutdown on SIGINT/SIGTERM.
+//! server reflection, with graceful shutdown on SIGINT/SIGTERM. The port opens at once; health
+//! says `SERVING` only while some worker replica is ready (requests queue meanwhile).
 
 use std::sync::Arc;
 
@@ -13,7 +14,8 @@ use tonic::transport::Server;
 
 use crate::admin::AdminService;
 use crate::config::Config;
-use crate::engine;
+use crate::engine::{self, EngineHandle};
+use crate::model_limits::ModelLimits;
 use crate::service::GenerationService;
 use crate::tokenizer::ModelTokenizer;
 
@@ -21,15 +23,12 @@ use crate::tokenizer::ModelTokenizer;
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let tokenizer = Arc::new(ModelTokenizer::from_model_path(&config.model.path)?);
 
-    let engine_config = config.clone();
-    let engine_tokenizer = tokenizer.clone();
-    let (engine, engine_thread) =
-        tokio::task::spawn_blocking(move || engine::start(engine_config, engine_tokenizer)).await??;
+    let limits = ModelLimits::read(&config.model.path, tokenizer.vocab_size(), config.model.max_model_len)?;
+    let (engine, engine_thread) = engine::start(config.clone(), tokenizer.clone(), limits)?;
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<GenerationServer<GenerationService>>()
-        .await;
+    set_health(&health_reporter, false).await;
+    tokio::spawn(follow_engine_health(engine.clone(), health_reporter.clone()));
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -52,12 +51,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let shutdown = async move {
         shutdown_signal().await;
         // Probes see NOT_SERVING at once; the engine refuses new work and bounds the drain.
-        health_reporter
-            .set_not_serving::<GenerationServer<GenerationService>>()
-            .await;
-        health_reporter
-            .set_service_status("", tonic_health::ServingStatus::NotServing)
-            .await;
+        set_health(&health_reporter, false).await;
         engine.begin_drain(shutdown_timeout);
     };
     Server::builder()
@@ -75,6 +69,38 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         .map_err(|_| anyhow::anyhow!("engine thread panicked"))?;
     Ok(())
 }
+/// Health follows the engine: `SERVING` while some replica is ready. Holds only the engine's
+/// health watch, not a handle, so it does not keep the engine alive.
+fn follow_engine_health(
+    engine: EngineHandle,
+    reporter: tonic_health::server::HealthReporter,
+) -> impl std::future::Future<Output = ()> {
+    let mut serving = engine.serving.clone();
+    drop(engine);
+    async move {
+        loop {
+            let now = *serving.borrow_and_update();
+            set_health(&reporter, now).await;
+            if serving.changed().await.is_err() {
+                set_health(&reporter, false).await;
+                return;
+            }
+        }
+    }
+}
+
+async fn set_health(reporter: &tonic_health::server::HealthReporter, serving: bool) {
+    let status = if serving {
+        tonic_health::ServingStatus::Serving
+    } else {
+        tonic_health::ServingStatus::NotServing
+    };
+    reporter
+        .set_service_status(<GenerationServer<GenerationService> as tonic::server::NamedService>::NAME, status)
+        .await;
+    reporter.set_service_status("", status).await;
+}
+
 async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;

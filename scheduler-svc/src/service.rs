@@ -46,8 +46,8 @@ impl GenerationService {
 
     /// Validates and tokenizes a request; every error names the offending field.
     fn to_domain(&self, request: proto::GenerateRequest) -> Result<GenerationRequest, InvalidRequest> {
-        let ready = &self.engine.info.ready;
-        let max_model_len = ready.max_model_len as usize;
+        let limits = &self.engine.limits;
+        let max_model_len = limits.max_model_len as usize;
         let given = [
             !request.prompt.is_empty(),
             !request.prompt_token_ids.is_empty(),
@@ -72,7 +72,7 @@ impl GenerationService {
         };
         let prompt_ids = match prompt_field {
             "prompt_token_ids" => {
-                let vocab = ready.model.vocab_size;
+                let vocab = limits.vocab_size;
                 if let Some(bad) = request.prompt_token_ids.iter().find(|&&id| id >= vocab) {
                     return Err(InvalidRequest::new(
                         "prompt_token_ids",
@@ -124,8 +124,7 @@ impl GenerationService {
                 ),
             ));
         }
-        let capacity = ready.num_blocks as usize * ready.block_size as usize;
-        if total > capacity {
+        if let Some(capacity) = limits.kv_capacity_tokens().filter(|&capacity| total > capacity) {
             return Err(InvalidRequest::new(
                 "stopping.max_new_tokens",
                 format!("prompt + max_new_tokens = {total} tokens can never fit in the KV cache of {capacity} tokens"),
@@ -140,7 +139,7 @@ impl GenerationService {
         if stopping.stop.iter().any(String::is_empty) {
             return Err(InvalidRequest::new("stopping.stop", "stop strings must not be empty"));
         }
-        let vocab = ready.model.vocab_size;
+        let vocab = limits.vocab_size;
         if let Some(bad) = stopping.stop_token_ids.iter().find(|&&id| id >= vocab) {
             return Err(InvalidRequest::new(
                 "stopping.stop_token_ids",
@@ -292,11 +291,12 @@ fn invalid_argument(error: InvalidRequest) -> Status {
     Status::invalid_argument(error.to_string())
 }
 
-fn engine_status(error: EngineError) -> Status {
+pub fn engine_status(error: EngineError) -> Status {
     match error {
         EngineError::WorkerUnavailable(_) | EngineError::ShuttingDown => Status::unavailable(error.to_string()),
         EngineError::QueueFull(_) => Status::resource_exhausted(error.to_string()),
         EngineError::Detokenize(_) => Status::internal(error.to_string()),
+        EngineError::UnknownReplica(_) => Status::not_found(error.to_string()),
     }
 }
 

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::block_manager::BlockManager;
+use crate::replica::{Replica, ReplicaSnapshot, ReplicaState};
 use crate::scheduler::SchedulingPolicy;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -26,6 +26,8 @@ pub struct StatsSnapshot {
     pub worker_forward_micros_total: u64,
     pub scheduler_micros_total: u64,
     pub policy: SchedulingPolicy,
+    pub num_replicas_ready: u32,
+    pub replicas: Vec<ReplicaSnapshot>,
 }
 
 #[derive(Debug)]
@@ -75,12 +77,12 @@ impl EngineStats {
         self.window_tokens = 0;
     }
 
-    /// Copies the counters out, with the queue and KV figures the engine passes in.
+    /// Copies the counters out, with the queue figures the engine passes in and the KV figures
+    /// pooled over the replicas whose workers are up.
     pub fn snapshot(
         &self,
-        num_waiting: usize,
-        num_running: usize,
-        blocks: &BlockManager,
+        num_unrouted: usize,
+        replicas: &[Replica],
         policy: SchedulingPolicy,
     ) -> StatsSnapshot {
         let window_seconds = self.window_start.elapsed().as_secs_f64();
@@ -89,24 +91,38 @@ impl EngineStats {
         } else {
             0.0
         };
+        let live = || replicas.iter().filter_map(|r| r.live.as_ref());
+        let sum = |f: &dyn Fn(&crate::replica::live::LiveReplica) -> u32| live().map(f).sum::<u32>();
+        let kv_blocks_total = sum(&|l| l.blocks.total());
+        let kv_blocks_free = sum(&|l| l.blocks.num_free());
+        let kv_blocks_cached = sum(&|l| l.blocks.num_cached());
+        let (queried, hit) = live()
+            .map(|l| l.blocks.prefix_lookup_counts())
+            .fold((0, 0), |(q, h), (lq, lh)| (q + lq, h + lh));
         StatsSnapshot {
             total_tokens_generated: self.total_tokens_generated,
             tokens_per_second,
             window_seconds,
-            num_waiting: num_waiting as u32,
-            num_running: num_running as u32,
-            kv_blocks_total: blocks.total(),
-            kv_blocks_used: blocks.num_used(),
-            kv_blocks_free: blocks.num_free(),
-            kv_blocks_cached: blocks.num_cached(),
-            memory_pressure: blocks.memory_pressure(),
-            prefix_cache_hit_rate: blocks.prefix_cache_hit_rate(),
+            num_waiting: (num_unrouted + live().map(|l| l.waiting.len()).sum::<usize>()) as u32,
+            num_running: live().map(|l| l.running.len()).sum::<usize>() as u32,
+            kv_blocks_total,
+            kv_blocks_used: sum(&|l| l.blocks.num_used()),
+            kv_blocks_free,
+            kv_blocks_cached,
+            memory_pressure: if kv_blocks_total == 0 {
+                0.0
+            } else {
+                1.0 - f64::from(kv_blocks_free + kv_blocks_cached) / f64::from(kv_blocks_total)
+            },
+            prefix_cache_hit_rate: if queried == 0 { 0.0 } else { hit as f64 / queried as f64 },
             num_preemptions: self.num_preemptions,
             iterations: self.iterations,
             step_micros_total: self.step_micros_total,
             worker_forward_micros_total: self.worker_forward_micros_total,
             scheduler_micros_total: self.scheduler_micros_total,
             policy,
+            num_replicas_ready: replicas.iter().filter(|r| r.state == ReplicaState::Ready).count() as u32,
+            replicas: replicas.iter().map(Replica::snapshot).collect(),
         }
     }
 }

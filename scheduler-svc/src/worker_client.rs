@@ -1,22 +1,28 @@
-//! The scheduler's side of one worker process: spawn, handshake, step, shutdown.
+//! The scheduler's side of one worker process: start (spawned or attached), handshake, step,
+//! shutdown. Used only by the replica's driver thread (`replica::driver`), never by the engine.
 //!
-//! Handshake (DESIGN.md §1): create an `IpcOneShotServer`, pass its name on the worker's command
-//! line, receive the worker's command sender and event receiver, wait for `Ready`, then create the
-//! shared-memory step buffer sized from the reported model and attach the worker to it.
+//! Handshake (DESIGN.md §1): create an `IpcOneShotServer`; a spawned worker gets its name on the
+//! command line, an attached one in the attach reply. The worker connects and hands over its
+//! command sender and event receiver, loads, and reports `Ready`; the scheduler then creates the
+//! shared-memory step buffer sized from the reported model and attaches the worker to it.
 
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
 use ipc_channel::ipc::{IpcOneShotServer, IpcReceiver, IpcSender};
 use ipc_channel::TryRecvError;
+use rivulet_ipc::attach::{AttachAssignment, AttachHello, AttachReply, KvCacheBudget, PROTOCOL_VERSION};
 use rivulet_ipc::{Bootstrap, ReadyInfo, StepBuffer, StepCapacity, WorkerCommand, WorkerEvent};
 use thiserror::Error;
 
 use crate::config::Config;
 
-/// How often a wait on the worker checks that the process is still alive.
+/// How often a wait on the worker checks that it is still alive and still wanted.
 const LIVENESS_POLL: Duration = Duration::from_millis(200);
 
 #[derive(Debug, Error)]
@@ -25,6 +31,8 @@ pub enum WorkerClientError {
     Spawn { binary: String, source: std::io::Error },
     #[error("worker IPC: {0}")]
     Ipc(String),
+    #[error("attaching worker: {0}")]
+    Attach(String),
     #[error("worker exited ({0})")]
     Exited(String),
     #[error("worker did not answer within {0:?}")]
@@ -35,15 +43,119 @@ pub enum WorkerClientError {
     Protocol(String),
     #[error("step buffer: {0}")]
     StepBuffer(#[from] rivulet_ipc::StepBufferError),
+    #[error("the scheduler stopped waiting for the worker")]
+    Stopped,
+}
+
+/// Everything a worker is told to load and how the scheduler talks to it: one per replica.
+#[derive(Debug, Clone)]
+pub struct WorkerLaunch {
+    pub binary: PathBuf,
+    pub device: String,
+    pub threads: Option<u32>,
+    pub assignment: AttachAssignment,
+    pub startup_timeout: Duration,
+    pub step_timeout: Duration,
+    pub max_num_batched_tokens: u32,
+    pub max_num_seqs: u32,
+}
+
+impl WorkerLaunch {
+    /// The settings for spawned replica `index` of `count` (its device, its share of the cores).
+    pub fn from_config(config: &Config, index: usize, count: usize) -> Self {
+        let worker = &config.worker;
+        let device = worker.devices.get(index).cloned().unwrap_or_else(|| worker.device.clone());
+        let threads = worker.threads.or_else(|| {
+            // Several CPU replicas on one machine split its cores instead of fighting over them.
+            (count > 1).then(|| {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                (cores / count).max(1) as u32
+            })
+        });
+        Self {
+            binary: worker_binary(config),
+            device,
+            threads,
+            assignment: AttachAssignment {
+                ipc_server: String::new(),
+                model: config.model.path.clone(),
+                kv_cache: match worker.kv_cache_memory_fraction {
+                    Some(fraction) => KvCacheBudget::FreeFraction(fraction),
+                    None => KvCacheBudget::Bytes(worker.kv_cache_memory),
+                },
+                block_size: worker.block_size,
+                max_model_len: config.model.max_model_len,
+                half_precision_gemv: worker.half_precision_gemv,
+                threads: worker.threads,
+            },
+            startup_timeout: Duration::from_secs(worker.startup_timeout_secs),
+            step_timeout: Duration::from_secs(worker.step_timeout_secs),
+            max_num_batched_tokens: config.scheduler.max_num_batched_tokens,
+            max_num_seqs: config.scheduler.max_num_seqs,
+        }
+    }
+}
+
+/// The worker's process, as far as the scheduler can act on it.
+enum WorkerProcess {
+    /// Spawned: the scheduler can see it exit and can kill it.
+    Child(Child),
+    /// Attached from elsewhere: it is alive as long as its IPC channels are.
+    Attached { pid: u32 },
+}
+
+impl WorkerProcess {
+    fn pid(&self) -> u32 {
+        match self {
+            Self::Child(child) => child.id(),
+            Self::Attached { pid } => *pid,
+        }
+    }
+
+    fn exit_status(&mut self) -> Option<String> {
+        match self {
+            Self::Child(child) => child.try_wait().ok().flatten().map(|status| status.to_string()),
+            Self::Attached { .. } => None,
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Self::Child(child) = self {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Waits that a stopping scheduler can interrupt, with a deadline.
+struct Wait<'a> {
+    deadline: Instant,
+    timeout: Duration,
+    stop: &'a AtomicBool,
+}
+
+impl Wait<'_> {
+    fn check(&self, process: &mut WorkerProcess) -> Result<(), WorkerClientError> {
+        if let Some(status) = process.exit_status() {
+            return Err(WorkerClientError::Exited(status));
+        }
+        if self.stop.load(Ordering::Acquire) {
+            return Err(WorkerClientError::Stopped);
+        }
+        if Instant::now() >= self.deadline {
+            return Err(WorkerClientError::Timeout(self.timeout));
+        }
+        Ok(())
+    }
 }
 
 pub struct WorkerClient {
-    child: Child,
+    process: WorkerProcess,
     commands: IpcSender<WorkerCommand>,
     events: IpcReceiver<WorkerEvent>,
-    buffer: StepBuffer,
     ready: ReadyInfo,
     step_timeout: Duration,
+    stop_flag: std::sync::Arc<AtomicBool>,
 }
 
 /// Result of one iteration.
@@ -54,44 +166,98 @@ pub struct StepTiming {
 }
 
 impl WorkerClient {
-    pub fn spawn(config: &Config) -> Result<Self, WorkerClientError> {
-        let binary = worker_binary(config);
+    /// Spawns a worker process and waits (interruptibly, through `stop`) until it is ready. The
+    /// step buffer is returned apart: it travels between the engine and the driver.
+    pub fn spawn(
+        launch: &WorkerLaunch,
+        stop: std::sync::Arc<AtomicBool>,
+    ) -> Result<(Self, StepBuffer), WorkerClientError> {
         let (server, server_name) =
             IpcOneShotServer::<Bootstrap>::new().map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
-        let mut command = Command::new(&binary);
+        let settings = &launch.assignment;
+        let mut command = Command::new(&launch.binary);
         command
             .arg("--ipc-server")
             .arg(&server_name)
             .arg("--model")
-            .arg(&config.model.path)
+            .arg(&settings.model)
             .arg("--device")
-            .arg(&config.worker.device)
-            .args(match config.worker.kv_cache_memory_fraction {
-                Some(fraction) => ["--kv-cache-memory-fraction".to_owned(), fraction.to_string()],
-                None => [
-                    "--kv-cache-memory".to_owned(),
-                    config.worker.kv_cache_memory.to_string(),
-                ],
+            .arg(&launch.device)
+            .args(match settings.kv_cache {
+                KvCacheBudget::FreeFraction(fraction) => {
+                    ["--kv-cache-memory-fraction".to_owned(), fraction.to_string()]
+                }
+                KvCacheBudget::Bytes(bytes) => ["--kv-cache-memory".to_owned(), bytes.to_string()],
             })
             .arg("--block-size")
-            .arg(config.worker.block_size.to_string());
-        if let Some(len) = config.model.max_model_len {
+            .arg(settings.block_size.to_string());
+        if let Some(len) = settings.max_model_len {
             command.arg("--max-model-len").arg(len.to_string());
         }
-        if config.worker.half_precision_gemv {
+        if settings.half_precision_gemv {
             command.arg("--half-precision-gemv");
         }
-        if let Some(threads) = config.worker.threads {
+        if let Some(threads) = launch.threads {
             command.arg("--threads").arg(threads.to_string());
         }
-        let mut child = command.spawn().map_err(|source| WorkerClientError::Spawn {
-            binary: binary.display().to_string(),
+        let child = command.spawn().map_err(|source| WorkerClientError::Spawn {
+            binary: launch.binary.display().to_string(),
             source,
         })?;
-        let startup_timeout = Duration::from_secs(config.worker.startup_timeout_secs);
+        Self::handshake(launch, server, WorkerProcess::Child(child), stop)
+    }
 
-        // `accept` blocks until the worker connects; run it aside so a worker that dies first
-        // is noticed instead of waited on forever.
+    /// Takes a worker that connected to the attach socket: reads its hello, answers with the
+    /// model and cache settings, then waits (interruptibly) until it is ready.
+    pub fn attach(
+        stream: UnixStream,
+        launch: &WorkerLaunch,
+        stop: std::sync::Arc<AtomicBool>,
+    ) -> Result<(Self, StepBuffer), WorkerClientError> {
+        let attach_error = |e: &dyn std::fmt::Display| WorkerClientError::Attach(e.to_string());
+        stream
+            .set_read_timeout(Some(launch.startup_timeout))
+            .map_err(|e| attach_error(&e))?;
+        let mut line = String::new();
+        BufReader::new(&stream).read_line(&mut line).map_err(|e| attach_error(&e))?;
+        let hello: AttachHello = serde_json::from_str(&line).map_err(|e| attach_error(&e))?;
+        let mut writer = &stream;
+        let mut reply = |reply: &AttachReply| -> Result<(), WorkerClientError> {
+            let mut text = serde_json::to_string(reply).map_err(|e| attach_error(&e))?;
+            text.push('\n');
+            writer.write_all(text.as_bytes()).map_err(|e| attach_error(&e))
+        };
+        if hello.protocol_version != PROTOCOL_VERSION {
+            let reason = format!(
+                "protocol version {} (this scheduler speaks {PROTOCOL_VERSION})",
+                hello.protocol_version
+            );
+            reply(&AttachReply::Refused { reason: reason.clone() })?;
+            return Err(WorkerClientError::Attach(reason));
+        }
+        let (server, server_name) =
+            IpcOneShotServer::<Bootstrap>::new().map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
+        let assignment = AttachAssignment {
+            ipc_server: server_name,
+            ..launch.assignment.clone()
+        };
+        reply(&AttachReply::Assigned(assignment))?;
+        Self::handshake(launch, server, WorkerProcess::Attached { pid: hello.pid }, stop)
+    }
+
+    fn handshake(
+        launch: &WorkerLaunch,
+        server: IpcOneShotServer<Bootstrap>,
+        mut process: WorkerProcess,
+        stop: std::sync::Arc<AtomicBool>,
+    ) -> Result<(Self, StepBuffer), WorkerClientError> {
+        let wait = Wait {
+            deadline: Instant::now() + launch.startup_timeout,
+            timeout: launch.startup_timeout,
+            stop: &stop,
+        };
+        // `accept` blocks until the worker connects; run it aside so a worker that dies first,
+        // or a scheduler that stops waiting, is noticed instead of waited on forever.
         let (accepted_tx, accepted_rx) = std_mpsc::channel();
         std::thread::Builder::new()
             .name("worker-accept".to_owned())
@@ -99,67 +265,77 @@ impl WorkerClient {
                 let _ = accepted_tx.send(server.accept().map(|(_, bootstrap)| bootstrap));
             })
             .map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
-        let deadline = Instant::now() + startup_timeout;
         let bootstrap = loop {
             match accepted_rx.recv_timeout(LIVENESS_POLL) {
                 Ok(Ok(bootstrap)) => break bootstrap,
-                Ok(Err(e)) => return Err(fail_start(&mut child, WorkerClientError::Ipc(e.to_string()))),
-                Err(_) => check_alive(&mut child, deadline, startup_timeout)?,
+                Ok(Err(e)) => return Err(fail_start(&mut process, WorkerClientError::Ipc(e.to_string()))),
+                Err(_) => {
+                    if let Err(error) = wait.check(&mut process) {
+                        return Err(fail_start(&mut process, error));
+                    }
+                }
             }
         };
         let Bootstrap { commands, events } = bootstrap;
-        let ready = match recv_event(&mut child, &events, deadline, startup_timeout)? {
-            WorkerEvent::Ready(ready) => ready,
-            other => return Err(startup_failure(&mut child, other)),
+        let ready = match recv_event(&mut process, &events, &wait) {
+            Ok(WorkerEvent::Ready(ready)) => ready,
+            Ok(other) => return Err(startup_failure(&mut process, other)),
+            Err(error) => return Err(fail_start(&mut process, error)),
         };
-
         let capacity = StepCapacity {
-            max_tokens: config.scheduler.max_num_batched_tokens,
-            max_seqs: config.scheduler.max_num_seqs,
+            max_tokens: launch.max_num_batched_tokens,
+            max_seqs: launch.max_num_seqs,
             max_blocks_per_seq: ready.max_model_len.div_ceil(ready.block_size),
             // Room for every sequence of a step to send a full-context penalty history.
-            max_history_tokens: config.scheduler.max_num_seqs.saturating_mul(ready.max_model_len),
+            max_history_tokens: launch.max_num_seqs.saturating_mul(ready.max_model_len),
         };
-        let buffer = StepBuffer::create(capacity)?;
-        commands
-            .send(WorkerCommand::AttachStepBuffer {
-                os_id: buffer.os_id().to_owned(),
-                capacity,
-            })
-            .map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
-        match recv_event(&mut child, &events, deadline, startup_timeout)? {
-            WorkerEvent::StepBufferAttached => {}
-            other => return Err(startup_failure(&mut child, other)),
+        let buffer = match StepBuffer::create(capacity) {
+            Ok(buffer) => buffer,
+            Err(error) => return Err(fail_start(&mut process, error.into())),
+        };
+        let attach = commands.send(WorkerCommand::AttachStepBuffer {
+            os_id: buffer.os_id().to_owned(),
+            capacity,
+        });
+        if let Err(error) = attach {
+            return Err(fail_start(&mut process, WorkerClientError::Ipc(error.to_string())));
         }
-        Ok(Self {
-            child,
+        match recv_event(&mut process, &events, &wait) {
+            Ok(WorkerEvent::StepBufferAttached) => {}
+            Ok(other) => return Err(startup_failure(&mut process, other)),
+            Err(error) => return Err(fail_start(&mut process, error)),
+        }
+        let client = Self {
+            process,
             commands,
             events,
-            buffer,
             ready,
-            step_timeout: Duration::from_secs(config.worker.step_timeout_secs),
-        })
+            step_timeout: launch.step_timeout,
+            stop_flag: stop,
+        };
+        Ok((client, buffer))
     }
 
     pub fn ready(&self) -> &ReadyInfo {
         &self.ready
     }
 
-    pub fn buffer_mut(&mut self) -> &mut StepBuffer {
-        &mut self.buffer
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
     }
 
-    pub fn buffer(&self) -> &StepBuffer {
-        &self.buffer
-    }
-
-    /// Runs the step whose inputs are in the buffer; on success its outputs are there too.
+    /// Runs the step whose inputs are in the step buffer; on success its outputs are there too.
+    /// A worker that takes longer than the step deadline is hung (e.g. SIGSTOPped): an error.
     pub fn run_step(&mut self, step: u64) -> Result<StepTiming, WorkerClientError> {
         self.commands
             .send(WorkerCommand::Step { step })
             .map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
-        let deadline = Instant::now() + self.step_timeout;
-        match recv_event(&mut self.child, &self.events, deadline, self.step_timeout)? {
+        let wait = Wait {
+            deadline: Instant::now() + self.step_timeout,
+            timeout: self.step_timeout,
+            stop: &self.stop_flag,
+        };
+        match recv_event(&mut self.process, &self.events, &wait)? {
             WorkerEvent::StepDone {
                 step: done,
                 forward_micros,
@@ -172,24 +348,34 @@ impl WorkerClient {
             ))),
         }
     }
+
+    /// A worker that failed a step or missed its deadline is not trusted again: a spawned one is
+    /// killed at once (a hung process would otherwise hold its memory), an attached one is cut off.
+    pub fn abandon(mut self) {
+        self.process.kill();
+    }
 }
 
 impl Drop for WorkerClient {
     fn drop(&mut self) {
         let _ = self.commands.send(WorkerCommand::Shutdown);
+        let WorkerProcess::Child(child) = &mut self.process else {
+            return;
+        };
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
+            if let Ok(Some(_)) = child.try_wait() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        let _ = child.kill();
+        let _ = child.wait();
     }
 }
 
-fn worker_binary(config: &Config) -> PathBuf {
+/// The `rivulet-worker` binary: configured, else the one next to this executable.
+pub fn worker_binary(config: &Config) -> PathBuf {
     config.worker.binary.clone().unwrap_or_else(|| {
         std::env::current_exe()
             .ok()
@@ -199,49 +385,32 @@ fn worker_binary(config: &Config) -> PathBuf {
 }
 
 fn recv_event(
-    child: &mut Child,
+    process: &mut WorkerProcess,
     events: &IpcReceiver<WorkerEvent>,
-    deadline: Instant,
-    timeout: Duration,
+    wait: &Wait<'_>,
 ) -> Result<WorkerEvent, WorkerClientError> {
     loop {
         match events.try_recv_timeout(LIVENESS_POLL) {
             Ok(event) => return Ok(event),
-            Err(TryRecvError::Empty) => check_alive(child, deadline, timeout)?,
+            Err(TryRecvError::Empty) => wait.check(process)?,
             Err(TryRecvError::IpcError(error)) => {
-                let status = child
-                    .try_wait()
-                    .ok()
-                    .flatten()
-                    .map_or_else(|| format!("{error:?}"), |s| s.to_string());
+                let status = process.exit_status().unwrap_or_else(|| format!("{error:?}"));
                 return Err(WorkerClientError::Exited(status));
             }
         }
     }
 }
 
-fn check_alive(child: &mut Child, deadline: Instant, timeout: Duration) -> Result<(), WorkerClientError> {
-    if let Ok(Some(status)) = child.try_wait() {
-        return Err(WorkerClientError::Exited(status.to_string()));
-    }
-    if Instant::now() >= deadline {
-        let _ = child.kill();
-        return Err(WorkerClientError::Timeout(timeout));
-    }
-    Ok(())
-}
-
 /// A start-up answer other than the expected one: the worker's own failure, or a protocol error.
-fn startup_failure(child: &mut Child, event: WorkerEvent) -> WorkerClientError {
+fn startup_failure(process: &mut WorkerProcess, event: WorkerEvent) -> WorkerClientError {
     let error = match event {
         WorkerEvent::Failed { message, .. } => WorkerClientError::Failed(message),
         other => WorkerClientError::Protocol(format!("{other:?}")),
     };
-    fail_start(child, error)
+    fail_start(process, error)
 }
 
-fn fail_start(child: &mut Child, error: WorkerClientError) -> WorkerClientError {
-    let _ = child.kill();
-    let _ = child.wait();
+fn fail_start(process: &mut WorkerProcess, error: WorkerClientError) -> WorkerClientError {
+    process.kill();
     error
 }

@@ -11,6 +11,7 @@
 //! - [`sampler`]: choosing each sequence's next token.
 //! - [`service`]: the IPC loop that ties them together.
 
+pub mod attach;
 pub mod attention;
 pub mod config;
 pub mod device;

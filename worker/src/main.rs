@@ -1,4 +1,6 @@
-//! `rivulet-worker`: spawned by `rivulet-scheduler`, one per device. Not meant to be run by hand.
+//! `rivulet-worker`: runs the model for `rivulet-scheduler`. Either spawned by the scheduler
+//! (`--ipc-server`, with the model settings on the command line) or started elsewhere, e.g. in
+//! another container of the pod, attaching through the scheduler's socket (`--attach PATH`).
 
 use std::path::PathBuf;
 
@@ -8,19 +10,23 @@ use rivulet_worker::memory::KvBudget;
 use rivulet_worker::service::{serve, WorkerOptions};
 
 #[derive(Debug, Parser)]
-#[command(version, about = "Rivulet model worker (spawned by rivulet-scheduler)")]
+#[command(version, about = "Rivulet model worker (spawned by rivulet-scheduler, or attached with --attach)")]
 struct Args {
-    /// Name of the scheduler's IpcOneShotServer to connect to.
+    /// Attach to the scheduler listening on this Unix socket (its `worker.attach_socket`); the
+    /// scheduler sends the model and cache settings.
+    #[arg(long, conflicts_with = "ipc_server", required_unless_present = "ipc_server")]
+    attach: Option<PathBuf>,
+    /// Name of the scheduler's IpcOneShotServer to connect to (set by a spawning scheduler).
+    #[arg(long, requires = "model")]
+    ipc_server: Option<String>,
+    /// GGUF model file or Hugging Face folder (with --ipc-server).
     #[arg(long)]
-    ipc_server: String,
-    /// GGUF model file.
-    #[arg(long)]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// auto, cpu or cuda:N.
     #[arg(long, default_value = "auto")]
     device: String,
     /// Bytes of memory for the KV cache.
-    #[arg(long, required_unless_present = "kv_cache_memory_fraction")]
+    #[arg(long)]
     kv_cache_memory: Option<usize>,
     /// Instead: this fraction of the device's free memory after the weights are loaded.
     #[arg(long, conflicts_with = "kv_cache_memory")]
@@ -46,17 +52,30 @@ fn main() -> anyhow::Result<()> {
     if !rivulet_worker::malloc_tuning::keep_freed_memory() {
         tracing::warn!("could not tune malloc thresholds; steps may page-fault more");
     }
-    let options = WorkerOptions {
-        model_path: args.model,
-        device: args.device,
-        kv_cache_memory: match (args.kv_cache_memory_fraction, args.kv_cache_memory) {
-            (Some(fraction), _) => KvBudget::FreeFraction(fraction),
-            (None, bytes) => KvBudget::Bytes(bytes.unwrap_or_default()),
-        },
-        block_size: args.block_size,
-        max_model_len: args.max_model_len,
-        threads: args.threads,
-        half_precision_gemv: args.half_precision_gemv,
+    let (options, server_name) = match (&args.attach, args.ipc_server) {
+        (Some(socket), _) => {
+            let assignment = rivulet_worker::attach::register(socket, &args.device)?;
+            tracing::info!(socket = %socket.display(), model = %assignment.model.display(), "attached to the scheduler");
+            let options = rivulet_worker::attach::options(&assignment, args.device, args.threads);
+            (options, assignment.ipc_server)
+        }
+        (None, Some(server_name)) => {
+            let options = WorkerOptions {
+                model_path: args.model.context("--model is required with --ipc-server")?,
+                device: args.device,
+                kv_cache_memory: match (args.kv_cache_memory_fraction, args.kv_cache_memory) {
+                    (Some(fraction), _) => KvBudget::FreeFraction(fraction),
+                    (None, Some(bytes)) => KvBudget::Bytes(bytes),
+                    (None, None) => anyhow::bail!("--kv-cache-memory or --kv-cache-memory-fraction is required"),
+                },
+                block_size: args.block_size,
+                max_model_len: args.max_model_len,
+                threads: args.threads,
+                half_precision_gemv: args.half_precision_gemv,
+            };
+            (options, server_name)
+        }
+        (None, None) => anyhow::bail!("--attach PATH or --ipc-server NAME is required"),
     };
-    serve(&options, &args.ipc_server).context("worker failed")
+    serve(&options, &server_name).context("worker failed")
 }

@@ -1,0 +1,70 @@
+//! What request validation needs to know about the served model, read by the scheduler itself
+//! from the model file so that it can validate before any worker is ready (workers may attach
+//! later). Every worker's `Ready` is checked against it.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rivulet_gguf::{GgufError, GgufFile};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ModelLimitsError {
+    #[error("model file: {0}")]
+    Gguf(#[from] GgufError),
+    #[error("{path}: {problem}")]
+    HfConfig { path: String, problem: String },
+}
+
+#[derive(Debug)]
+pub struct ModelLimits {
+    pub vocab_size: u32,
+    /// The model's context length, capped by `model.max_model_len`.
+    pub max_model_len: u32,
+    /// Tokens the largest KV cache among the replicas seen so far holds (0: none seen yet).
+    kv_capacity_tokens: AtomicUsize,
+}
+
+impl ModelLimits {
+    pub fn read(model: &Path, vocab_size: u32, cap: Option<u32>) -> Result<Self, ModelLimitsError> {
+        let context_length = if model.is_dir() {
+            hf_context_length(model)?
+        } else {
+            let file = GgufFile::open(model)?;
+            let architecture = file.get_str("general.architecture")?;
+            file.get_u64(&format!("{architecture}.context_length"))? as u32
+        };
+        Ok(Self::new(vocab_size, cap.map_or(context_length, |cap| cap.min(context_length))))
+    }
+
+    pub fn new(vocab_size: u32, max_model_len: u32) -> Self {
+        Self {
+            vocab_size,
+            max_model_len,
+            kv_capacity_tokens: AtomicUsize::new(0),
+        }
+    }
+
+    /// The largest KV cache (in tokens) of any replica seen, if one was.
+    pub fn kv_capacity_tokens(&self) -> Option<usize> {
+        Some(self.kv_capacity_tokens.load(Ordering::Acquire)).filter(|&tokens| tokens > 0)
+    }
+
+    pub fn record_kv_capacity(&self, tokens: usize) {
+        self.kv_capacity_tokens.fetch_max(tokens, Ordering::AcqRel);
+    }
+}
+
+fn hf_context_length(dir: &Path) -> Result<u32, ModelLimitsError> {
+    let path = dir.join("config.json");
+    let problem = |problem: String| ModelLimitsError::HfConfig {
+        path: path.display().to_string(),
+        problem,
+    };
+    let text = std::fs::read_to_string(&path).map_err(|e| problem(e.to_string()))?;
+    let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| problem(e.to_string()))?;
+    config["max_position_embeddings"]
+        .as_u64()
+        .map(|n| n as u32)
+        .ok_or_else(|| problem("no max_position_embeddings".to_owned()))
+}

@@ -1,0 +1,65 @@
+//! The attach socket (`worker.attach_socket`): workers started elsewhere connect here to join the
+//! pool. Each connection is handed to the engine, which gives it a replica and a driver.
+
+use std::io;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Listens until dropped; dropping it removes the socket file.
+pub struct AttachListener {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl AttachListener {
+    /// Binds `path` (replacing a stale socket file left by an earlier run) and passes every
+    /// connection to `on_connection`.
+    pub fn bind(path: &Path, on_connection: impl Fn(UnixStream) + Send + 'static) -> io::Result<Self> {
+        if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        match std::fs::remove_file(path) {
+            Ok(()) => {}
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+            Err(error) => return Err(error),
+        }
+        let listener = UnixListener::bind(path)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopping = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("attach-listener".to_owned())
+            .spawn(move || {
+                for connection in listener.incoming() {
+                    if stopping.load(Ordering::Acquire) {
+                        break;
+                    }
+                    match connection {
+                        Ok(stream) => on_connection(stream),
+                        Err(error) => tracing::warn!(%error, "attach socket: accept failed"),
+                    }
+                }
+            })?;
+        tracing::info!(socket = %path.display(), "workers may attach");
+        Ok(Self {
+            path: path.to_owned(),
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for AttachListener {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Wake the blocking accept so the thread sees the flag.
+        let _ = UnixStream::connect(&self.path);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}

@@ -1,0 +1,223 @@
+//! A replica's driver: the thread that owns its worker process (through [`WorkerClient`]) and does
+//! everything that may block on it — spawning or accepting the worker, the handshake, each step's
+//! wait, restarts with back-off — so that the engine never does.
+//!
+//! The engine and the driver take turns with the step buffer: `RunStep` carries it to the driver,
+//! `StepDone` carries it back. Whoever holds it may touch the shared memory; no locks.
+
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use rivulet_ipc::{ReadyInfo, StepBuffer};
+
+use crate::worker_client::{StepTiming, WorkerClient, WorkerClientError, WorkerLaunch};
+
+use super::ReplicaId;
+
+/// The first restart waits this long; each failure in a row doubles it, up to `MAX_BACKOFF`.
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Engine → driver.
+pub enum DriverCommand {
+    /// Run the step whose inputs are in `buffer`.
+    RunStep { step: u64, buffer: StepBuffer },
+}
+
+/// Driver → engine, about one worker process of the replica (`incarnation` counts them).
+pub struct ReplicaMessage {
+    pub replica: ReplicaId,
+    pub incarnation: u64,
+    pub event: ReplicaEvent,
+}
+
+pub enum ReplicaEvent {
+    /// A worker process is being started (or accepted) and loads its model.
+    Starting,
+    Ready {
+        pid: u32,
+        ready: ReadyInfo,
+        buffer: StepBuffer,
+    },
+    StepDone {
+        step: u64,
+        buffer: StepBuffer,
+        timing: StepTiming,
+    },
+    /// The worker is gone (died, hung past the step deadline, failed a step or its start); its
+    /// KV cache with it. `restarting`: a new worker process follows after a back-off.
+    Failed { error: String, restarting: bool },
+    /// The driver ended: the replica will not come back.
+    Exited,
+}
+
+/// Where the replica's workers come from.
+pub enum WorkerSource {
+    /// Spawned as children, and respawned after a failure.
+    Spawn,
+    /// One worker that connected to the attach socket; when it fails, the replica ends.
+    Attached(UnixStream),
+}
+
+/// The engine's end of a driver.
+pub struct DriverHandle {
+    commands: Option<Sender<DriverCommand>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl DriverHandle {
+    /// Starts the driver thread of replica `id`; `notify` delivers its messages to the engine.
+    pub fn start(
+        id: ReplicaId,
+        source: WorkerSource,
+        launch: WorkerLaunch,
+        notify: impl Fn(ReplicaMessage) + Send + 'static,
+    ) -> std::io::Result<Self> {
+        let (commands, command_rx) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let driver = Driver {
+            id,
+            launch,
+            commands: command_rx,
+            stop: stop.clone(),
+            notify: Box::new(notify),
+            incarnation: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("replica-{id}"))
+            .spawn(move || driver.run(source))?;
+        Ok(Self {
+            commands: Some(commands),
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Hands the step buffer to the driver to run `step`; gives it back if the driver is gone.
+    pub fn run_step(&self, step: u64, buffer: StepBuffer) -> Result<(), StepBuffer> {
+        let Some(commands) = &self.commands else {
+            return Err(buffer);
+        };
+        commands
+            .send(DriverCommand::RunStep { step, buffer })
+            .map_err(|mpsc::SendError(DriverCommand::RunStep { buffer, .. })| buffer)
+    }
+
+    /// Tells the driver to let its worker go (it is asked to exit) and end, without waiting.
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        self.commands = None;
+    }
+
+    /// Stops the driver and waits until its worker has exited and its step buffer is unlinked.
+    pub fn join(mut self) {
+        self.stop();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+struct Driver {
+    id: ReplicaId,
+    launch: WorkerLaunch,
+    commands: Receiver<DriverCommand>,
+    stop: Arc<AtomicBool>,
+    notify: Box<dyn Fn(ReplicaMessage) + Send>,
+    incarnation: u64,
+}
+
+impl Driver {
+    fn run(mut self, source: WorkerSource) {
+        let mut attached = match source {
+            WorkerSource::Spawn => None,
+            WorkerSource::Attached(stream) => Some(stream),
+        };
+        let restarts = attached.is_none();
+        let mut backoff = FIRST_BACKOFF;
+        loop {
+            self.incarnation += 1;
+            self.send(ReplicaEvent::Starting);
+            let started = match attached.take() {
+                Some(stream) => WorkerClient::attach(stream, &self.launch, self.stop.clone()),
+                None => WorkerClient::spawn(&self.launch, self.stop.clone()),
+            };
+            let failure = match started {
+                Ok((client, buffer)) => {
+                    tracing::info!(replica = self.id, pid = client.pid(), ready = ?client.ready(), "worker ready");
+                    self.send(ReplicaEvent::Ready {
+                        pid: client.pid(),
+                        ready: client.ready().clone(),
+                        buffer,
+                    });
+                    match self.serve(client) {
+                        Served::Released => break,
+                        Served::Failed { error, stepped } => {
+                            if stepped {
+                                backoff = FIRST_BACKOFF;
+                            }
+                            error
+                        }
+                    }
+                }
+                Err(WorkerClientError::Stopped) => break,
+                Err(error) => error,
+            };
+            let stopping = self.stop.load(Ordering::Acquire);
+            tracing::error!(replica = self.id, error = %failure, restarting = restarts && !stopping, "worker failed");
+            self.send(ReplicaEvent::Failed {
+                error: failure.to_string(),
+                restarting: restarts && !stopping,
+            });
+            if !restarts || stopping {
+                break;
+            }
+            // Back-off that a stopping engine interrupts (it drops its sender).
+            match self.commands.recv_timeout(backoff) {
+                Err(RecvTimeoutError::Disconnected) => break,
+                Ok(_) | Err(RecvTimeoutError::Timeout) => {}
+            }
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+        }
+        self.send(ReplicaEvent::Exited);
+    }
+
+    /// Runs steps until the engine lets go (the worker is then shut down cleanly) or the worker
+    /// fails (it is then killed or cut off).
+    fn serve(&self, mut client: WorkerClient) -> Served {
+        let mut stepped = false;
+        loop {
+            let Ok(DriverCommand::RunStep { step, buffer }) = self.commands.recv() else {
+                return Served::Released;
+            };
+            match client.run_step(step) {
+                Ok(timing) => {
+                    stepped = true;
+                    self.send(ReplicaEvent::StepDone { step, buffer, timing });
+                }
+                Err(error) => {
+                    client.abandon();
+                    return Served::Failed { error, stepped };
+                }
+            }
+        }
+    }
+
+    fn send(&self, event: ReplicaEvent) {
+        (self.notify)(ReplicaMessage {
+            replica: self.id,
+            incarnation: self.incarnation,
+            event,
+        });
+    }
+}
+
+enum Served {
+    Released,
+    Failed { error: WorkerClientError, stepped: bool },
+}

@@ -1,0 +1,225 @@
+//! The state of a replica whose worker is up: its block manager (with the prefix cache inside),
+//! its resident and waiting sequences, its scheduler and its step buffer. Built when the worker
+//! reports ready and dropped when the worker goes, so no cache entry can outlive the KV it names.
+//!
+//! A step is planned and written here, run by the driver, and its outputs applied here. While a
+//! step is in flight, `running` is not touched (the plan refers to its indices); `waiting` may be.
+
+use std::time::{Duration, Instant};
+
+use rivulet_ipc::{ReadyInfo, StepBuffer};
+
+use crate::block_manager::{BlockManager, BlockManagerConfig};
+use crate::queue::WaitingQueue;
+use crate::request::{EngineError, SequenceEvent};
+use crate::scheduler::{Scheduler, SchedulerLimits, SchedulingPolicy, StepPlan};
+use crate::sequence::Sequence;
+use crate::stats::EngineStats;
+use crate::step_writer::write_step;
+use crate::tokenizer::ModelTokenizer;
+use crate::worker_client::StepTiming;
+
+use super::outputs::{apply_outputs, OutputContext};
+
+pub struct LiveReplica {
+    pub ready: ReadyInfo,
+    pub blocks: BlockManager,
+    pub scheduler: Scheduler,
+    pub running: Vec<Sequence>,
+    pub waiting: WaitingQueue,
+    /// With the engine between steps; with the driver while one runs.
+    buffer: Option<StepBuffer>,
+    in_flight: Option<InFlight>,
+    last_step: u64,
+}
+
+struct InFlight {
+    step: u64,
+    plan: StepPlan,
+    started: Instant,
+    planned: Duration,
+}
+
+impl LiveReplica {
+    pub fn new(
+        ready: ReadyInfo,
+        buffer: StepBuffer,
+        limits: SchedulerLimits,
+        policy: SchedulingPolicy,
+        block_config: BlockManagerConfig,
+    ) -> Self {
+        Self {
+            blocks: BlockManager::new(ready.num_blocks, ready.block_size, block_config),
+            ready,
+            scheduler: Scheduler::new(limits, policy),
+            running: Vec::new(),
+            waiting: WaitingQueue::default(),
+            buffer: Some(buffer),
+            in_flight: None,
+            last_step: 0,
+        }
+    }
+
+    pub fn is_stepping(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    pub fn num_sequences(&self) -> usize {
+        self.running.len() + self.waiting.len()
+    }
+
+    /// KV blocks left once its waiting sequences got theirs: the routing measure of room.
+    pub fn room_after_queue(&self) -> i64 {
+        let queued: i64 = self
+            .waiting
+            .iter()
+            .map(|seq| i64::from(self.blocks.blocks_for(seq.tokens.len())))
+            .sum();
+        i64::from(self.blocks.num_available()) - queued
+    }
+
+    /// Plans the next step and writes it into the step buffer; returns its number and the buffer
+    /// for the driver, or `None` when there is nothing to run.
+    pub fn begin_step(&mut self, stats: &mut EngineStats) -> Option<(u64, StepBuffer)> {
+        if self.is_stepping() || !self.has_work() {
+            return None;
+        }
+        let started = Instant::now();
+        self.blocks.expire_cached(started);
+        let plan = self
+            .scheduler
+            .plan(&mut self.running, &mut self.waiting, &mut self.blocks);
+        stats.num_preemptions += plan.preempted as u64;
+        if plan.seqs.is_empty() {
+            // Nothing fits even alone (a cache smaller than validation assumed): never spin on it.
+            if let Some(seq) = self.waiting.pop_front() {
+                let capacity = self.ready.num_blocks as usize * self.ready.block_size as usize;
+                let _ = seq.events.send(SequenceEvent::Failed(EngineError::WorkerUnavailable(format!(
+                    "the request ({} tokens) does not fit in this worker's KV cache of {capacity} tokens",
+                    seq.tokens.len()
+                ))));
+            }
+            return None;
+        }
+        let mut buffer = self.buffer.take()?;
+        self.last_step += 1;
+        stats.iterations += 1;
+        write_step(
+            &mut buffer,
+            self.last_step,
+            &plan,
+            &self.running,
+            self.blocks.block_size(),
+        );
+        self.in_flight = Some(InFlight {
+            step: self.last_step,
+            plan,
+            started,
+            planned: started.elapsed(),
+        });
+        Some((self.last_step, buffer))
+    }
+
+    /// The driver could not take the step (it is gone): keep the buffer, forget the step.
+    pub fn cancel_step(&mut self, buffer: StepBuffer) {
+        self.buffer = Some(buffer);
+        self.in_flight = None;
+    }
+
+    /// Applies the outputs of a step the worker finished.
+    pub fn finish_step(
+        &mut self,
+        step: u64,
+        buffer: StepBuffer,
+        timing: StepTiming,
+        tokenizer: &ModelTokenizer,
+        stats: &mut EngineStats,
+    ) {
+        let context = OutputContext {
+            tokenizer,
+            eos_token_ids: &self.ready.eos_token_ids,
+            max_model_len: self.ready.max_model_len as usize,
+        };
+        let in_flight = self.in_flight.take();
+        let returned = Instant::now();
+        if let Some(in_flight) = in_flight.filter(|f| f.step == step) {
+            let generated = apply_outputs(
+                &mut self.running,
+                &mut self.blocks,
+                &in_flight.plan,
+                &buffer,
+                &context,
+            );
+            stats.record_tokens(generated);
+            stats.record_step(
+                in_flight.started.elapsed(),
+                timing.worker,
+                in_flight.planned + returned.elapsed(),
+            );
+        }
+        self.buffer = Some(buffer);
+    }
+
+    /// Cancellation: sequences whose client went away leave, with their blocks released.
+    /// Resident ones only between steps (a step in flight refers to them by index).
+    pub fn drop_abandoned(&mut self) {
+        let blocks = &mut self.blocks;
+        if self.in_flight.is_none() {
+            self.running.retain_mut(|seq| {
+                let keep = !seq.is_abandoned();
+                if !keep {
+                    seq.release_kv(blocks);
+                    tracing::debug!(id = seq.id, "cancelled");
+                }
+                keep
+            });
+        }
+        self.waiting.retain_mut(|seq| {
+            let keep = !seq.is_abandoned();
+            if !keep {
+                seq.release_kv(blocks);
+            }
+            keep
+        });
+    }
+
+    /// Takes every waiting sequence out (they hold no blocks: waiting ones never do).
+    pub fn take_waiting(&mut self) -> Vec<Sequence> {
+        self.waiting.drain().collect()
+    }
+
+    /// Takes the `count` waiting sequences that would be admitted last.
+    pub fn take_last_waiting(&mut self, count: usize) -> Vec<Sequence> {
+        let ids: Vec<_> = self.waiting.iter().map(|seq| seq.id).collect();
+        let last = &ids[ids.len().saturating_sub(count)..];
+        last.iter().filter_map(|&id| self.waiting.remove(id)).collect()
+    }
+
+    /// Ends every sequence with `error` (resident ones only between steps).
+    pub fn fail_all(&mut self, error: &EngineError) {
+        let blocks = &mut self.blocks;
+        let resident = if self.in_flight.is_none() {
+            std::mem::take(&mut self.running)
+        } else {
+            Vec::new()
+        };
+        for mut seq in resident.into_iter().chain(self.waiting.drain()) {
+            seq.release_kv(blocks);
+            let _ = seq.events.send(SequenceEvent::Failed(error.clone()));
+        }
+    }
+
+    /// The worker is gone with its KV: every sequence leaves, to be recomputed elsewhere from its
+    /// prompt and generated tokens. Its stream continues where it was.
+    pub fn evacuate(mut self) -> Vec<Sequence> {
+        let mut sequences: Vec<Sequence> = self.running.drain(..).chain(self.waiting.drain()).collect();
+        for seq in &mut sequences {
+            seq.forget_kv();
+        }
+        sequences
+    }
+}

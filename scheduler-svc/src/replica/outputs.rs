@@ -1,0 +1,129 @@
+//! Applying a finished step's outputs to the replica's running sequences: the sampled token is
+//! appended, detokenized, checked for completion and streamed; finished sequences leave with
+//! their blocks released.
+
+use rivulet_ipc::layout::MAX_TOP_LOGPROBS;
+use rivulet_ipc::StepBuffer;
+
+use crate::block_manager::BlockManager;
+use crate::completion::check_token_completion;
+use crate::output_text::TextProgress;
+use crate::request::{EngineError, FinishReason, SamplingParams, SequenceEvent, TokenLogprob, Usage};
+use crate::scheduler::StepPlan;
+use crate::sequence::Sequence;
+use crate::tokenizer::ModelTokenizer;
+
+/// What the outputs are read against.
+pub struct OutputContext<'a> {
+    pub tokenizer: &'a ModelTokenizer,
+    pub eos_token_ids: &'a [u32],
+    pub max_model_len: usize,
+}
+
+/// Applies the outputs of `plan` from `buffer`; returns how many tokens were generated.
+pub fn apply_outputs(
+    running: &mut Vec<Sequence>,
+    blocks: &mut BlockManager,
+    plan: &StepPlan,
+    buffer: &StepBuffer,
+    context: &OutputContext<'_>,
+) -> u64 {
+    let sampled = buffer.i64_array(buffer.layout().sampled_tokens);
+    let mut finished: Vec<(usize, FinishReason, String, Vec<TokenLogprob>)> = Vec::new();
+    let mut generated = 0;
+    for (slot, scheduled) in plan.seqs.iter().enumerate() {
+        let seq = &mut running[scheduled.running_index];
+        seq.num_computed += scheduled.num_tokens;
+        blocks.register_full_blocks(&seq.tokens, seq.num_computed, &seq.blocks, &mut seq.block_hashes);
+        if !scheduled.sample {
+            continue;
+        }
+        let token = sampled[slot] as u32;
+        seq.tokens.push(token);
+        generated += 1;
+        let logprobs = read_logprobs(buffer, slot, token, &seq.request.sampling);
+        let token_reason = check_token_completion(seq, context.eos_token_ids, context.max_model_len);
+        let mut delta = match seq.detokenizer.push(context.tokenizer, token) {
+            Ok(text) => text,
+            Err(error) => {
+                let _ = seq
+                    .events
+                    .send(SequenceEvent::Failed(EngineError::Detokenize(error.to_string())));
+                finished.push((
+                    scheduled.running_index,
+                    FinishReason::Cancelled,
+                    String::new(),
+                    Vec::new(),
+                ));
+                continue;
+            }
+        };
+        if token_reason.is_some() {
+            delta.push_str(&seq.detokenizer.flush(context.tokenizer).unwrap_or_default());
+        }
+        let min_reached = seq.num_generated() >= seq.request.stopping.min_new_tokens as usize;
+        let outcome = match (seq.output.push(&delta, min_reached), token_reason) {
+            (TextProgress::Continue(text), None) => {
+                let _ = seq.events.send(SequenceEvent::Tokens {
+                    token_ids: vec![token],
+                    text,
+                    logprobs,
+                });
+                continue;
+            }
+            (TextProgress::Continue(mut text), Some(reason)) => {
+                text.push_str(&seq.output.finish());
+                (reason, text)
+            }
+            (TextProgress::StopString(text) | TextProgress::CharLimit(text), Some(reason)) => (reason, text),
+            (TextProgress::StopString(text), None) => (FinishReason::StopString, text),
+            (TextProgress::CharLimit(text), None) => (FinishReason::Length, text),
+        };
+        finished.push((scheduled.running_index, outcome.0, outcome.1, logprobs));
+    }
+    // Remove from the back so earlier indices stay valid.
+    finished.sort_unstable_by_key(|(index, ..)| std::cmp::Reverse(*index));
+    for (index, reason, text, logprobs) in finished {
+        let mut seq = running.remove(index);
+        seq.release_kv(blocks);
+        if reason == FinishReason::Cancelled {
+            continue;
+        }
+        let usage = Usage {
+            prompt_tokens: seq.prompt_len() as u32,
+            completion_tokens: seq.num_generated() as u32,
+            cached_prompt_tokens: seq.cached_prompt_tokens as u32,
+        };
+        let last_token = seq.tokens.last().copied().into_iter().collect();
+        let _ = seq.events.send(SequenceEvent::Finished {
+            reason,
+            token_ids: last_token,
+            text,
+            usage,
+            logprobs,
+        });
+    }
+    generated
+}
+
+/// The logprobs of the token sampled in `slot`, when the request asked for them.
+fn read_logprobs(buffer: &StepBuffer, slot: usize, token: u32, sampling: &SamplingParams) -> Vec<TokenLogprob> {
+    if !sampling.wants_logprobs() {
+        return Vec::new();
+    }
+    let layout = buffer.layout();
+    let row = slot * MAX_TOP_LOGPROBS;
+    let count = sampling.top_logprobs as usize;
+    let ids = &buffer.i64_array(layout.top_logprob_ids)[row..row + count];
+    let values = &buffer.f32_array(layout.top_logprob_values)[row..row + count];
+    let top = ids
+        .iter()
+        .zip(values)
+        .map(|(&id, &logprob)| (id as u32, logprob))
+        .collect();
+    vec![TokenLogprob {
+        token_id: token,
+        logprob: buffer.f32_array(layout.sampled_logprobs)[slot],
+        top,
+    }]
+}

@@ -1,0 +1,65 @@
+//! A worker started by someone other than the scheduler (`rivulet-worker --attach PATH`): it
+//! registers on the scheduler's attach socket and receives what to load (see
+//! `rivulet_ipc::attach`). After that it is served exactly like a spawned worker.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use rivulet_ipc::attach::{AttachAssignment, AttachHello, AttachReply, KvCacheBudget, PROTOCOL_VERSION};
+
+use crate::error::WorkerError;
+use crate::memory::KvBudget;
+use crate::service::WorkerOptions;
+
+/// How long the scheduler may take to answer the registration.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Registers on the attach socket at `path`; returns the assignment the scheduler gave.
+pub fn register(path: &Path, device: &str) -> Result<AttachAssignment, WorkerError> {
+    let attach_error = |what: &str, error: &dyn std::fmt::Display| {
+        WorkerError::Ipc(format!("attach socket {}: {what}: {error}", path.display()))
+    };
+    let mut stream = UnixStream::connect(path).map_err(|e| attach_error("connect", &e))?;
+    stream
+        .set_read_timeout(Some(REPLY_TIMEOUT))
+        .map_err(|e| attach_error("set timeout", &e))?;
+    let hello = AttachHello {
+        protocol_version: PROTOCOL_VERSION,
+        device: device.to_owned(),
+        pid: std::process::id(),
+    };
+    let mut line = serde_json::to_string(&hello).map_err(|e| attach_error("encode", &e))?;
+    line.push('\n');
+    stream
+        .write_all(line.as_bytes())
+        .map_err(|e| attach_error("send", &e))?;
+    let mut reply = String::new();
+    BufReader::new(&stream)
+        .read_line(&mut reply)
+        .map_err(|e| attach_error("receive", &e))?;
+    match serde_json::from_str::<AttachReply>(&reply).map_err(|e| attach_error("decode reply", &e))? {
+        AttachReply::Assigned(assignment) => Ok(assignment),
+        AttachReply::Refused { reason } => Err(WorkerError::Ipc(format!(
+            "the scheduler at {} refused this worker: {reason}",
+            path.display()
+        ))),
+    }
+}
+
+/// The worker's options from an assignment; `device` and `threads` are the worker's own.
+pub fn options(assignment: &AttachAssignment, device: String, threads: Option<usize>) -> WorkerOptions {
+    WorkerOptions {
+        model_path: assignment.model.clone(),
+        device,
+        kv_cache_memory: match assignment.kv_cache {
+            KvCacheBudget::Bytes(bytes) => KvBudget::Bytes(bytes as usize),
+            KvCacheBudget::FreeFraction(fraction) => KvBudget::FreeFraction(fraction),
+        },
+        block_size: assignment.block_size as usize,
+        max_model_len: assignment.max_model_len.map(|len| len as usize),
+        threads: threads.or(assignment.threads.map(|t| t as usize)),
+        half_precision_gemv: assignment.half_precision_gemv,
+    }
+}
