@@ -1,72 +1,95 @@
-//! A worker that dies mid-request: the client gets `UNAVAILABLE` (not a hang), the server starts a
-//! new worker and keeps serving, and shuts down cleanly afterwards.
+//! One replica whose worker is SIGKILLed mid-stream: the stream does not fail but continues once
+//! the restarted worker has recomputed it, with the tokens of an undisturbed run (transformers'),
+//! and nothing is sent twice. The restarted worker starts with an empty prefix cache: a long
+//! prompt cached before the kill is computed afresh and gives the reference's tokens (before the
+//! replica owned its cache, the old cache entries pointed at blocks the new worker never
+//! computed, and the output was garbage).
 
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
-use common::{greedy_request, TestServer};
+use common::{assert_no_blocks_held, greedy_request, reference_tokens, shm_segments, signal, TestServer};
+use rivulet::proto::FinishReason;
 use tokio_stream::StreamExt;
-use tonic::Code;
 
-fn worker_pid(scheduler_pid: u32) -> Option<u32> {
-    let output = Command::new("pgrep")
-        .arg("-P")
-        .arg(scheduler_pid.to_string())
-        .output()
-        .ok()?;
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .next()?
-        .trim()
-        .parse()
-        .ok()
+const TOKENS: u32 = 40;
+
+fn long_prompt() -> String {
+    "You are a careful assistant. Summarise the following notes about the history of the bicycle: \
+     the draisine of 1817 had no pedals, the velocipede of the 1860s put cranks on the front wheel, \
+     the high-wheeler made that wheel enormous for speed, and the safety bicycle of the 1880s \
+     brought chain drive and equal wheels. Summary:"
+        .to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_killed_worker_fails_its_requests_with_unavailable_and_is_replaced() {
+async fn a_killed_worker_is_replaced_and_its_streams_continue_with_the_reference_tokens() {
+    let segments_before = shm_segments();
     let mut server = TestServer::start(&[]);
+    let prompts = vec![long_prompt(), "Tell me a very long story about a lighthouse keeper.".to_owned()];
+    let reference = reference_tokens(&prompts, TOKENS).await;
     let mut client = server.client().await;
+
+    // The long prompt once: its full blocks enter the prefix cache.
+    let first = client
+        .generate(greedy_request(&prompts[0], TOKENS))
+        .await
+        .expect("generate")
+        .into_inner();
+    assert_eq!(first.token_ids, reference[0]);
+
+    // A stream in flight when the worker dies.
     let mut stream = client
-        .stream_generate(greedy_request("Tell me a very long story.", 1000))
+        .stream_generate(greedy_request(&prompts[1], TOKENS))
         .await
         .expect("stream")
         .into_inner();
-    let first = stream.next().await.expect("a first message").expect("ok");
-    assert!(!first.token_ids.is_empty());
+    let mut streamed = stream.next().await.expect("a first message").expect("ok").token_ids;
+    let stats = server.stats().await;
+    let worker = stats.replicas[0].pid;
+    assert_ne!(worker, 0, "{stats:?}");
+    signal(worker, "KILL");
 
-    let worker = worker_pid(server.pid()).expect("the scheduler's worker process");
-    let killed = Command::new("kill")
-        .arg("-KILL")
-        .arg(worker.to_string())
-        .status()
-        .expect("kill");
-    assert!(killed.success());
-
-    let outcome = tokio::time::timeout(Duration::from_secs(60), async {
+    let rest = tokio::time::timeout(Duration::from_secs(180), async {
+        let mut last = None;
         while let Some(message) = stream.next().await {
-            if let Err(status) = message {
-                return Some(status);
-            }
+            let message = message.expect("the stream continues after the worker died");
+            streamed.extend(message.token_ids);
+            last = Some(message.finish_reason);
         }
-        None
+        last
     })
     .await
     .expect("the stream must end, not hang");
-    let status = outcome.expect("the stream ends with an error");
-    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(rest, Some(FinishReason::MaxTokens as i32));
+    assert_eq!(streamed, reference[1], "the tokens of an undisturbed run, none twice");
 
-    // The server restarts its worker and serves the next request.
-    let response = tokio::time::timeout(Duration::from_secs(120), client.generate(greedy_request("Hello", 4)))
+    let stats = server.stats().await;
+    assert_eq!(stats.replicas.len(), 1, "{stats:?}");
+    assert_eq!(stats.replicas[0].restarts, 1, "{stats:?}");
+    assert_ne!(stats.replicas[0].pid, worker, "a new worker process");
+
+    // The new worker computed nothing yet: the long prompt is not served from a stale cache.
+    let again = client
+        .generate(greedy_request(&prompts[0], TOKENS))
         .await
-        .expect("served in time")
-        .expect("served after the restart")
+        .expect("generate after the restart")
         .into_inner();
-    assert_eq!(response.token_ids.len(), 4);
-    let new_worker = worker_pid(server.pid()).expect("a new worker");
-    assert_ne!(new_worker, worker);
+    assert_eq!(again.token_ids, reference[0]);
+    assert_eq!(again.usage.expect("usage").cached_prompt_tokens, 0);
+    // ... and its own cache serves it from now on.
+    let cached = client
+        .generate(greedy_request(&prompts[0], TOKENS))
+        .await
+        .expect("generate from the new cache")
+        .into_inner();
+    assert_eq!(cached.token_ids, reference[0]);
+    assert!(cached.usage.expect("usage").cached_prompt_tokens > 0);
 
+    assert_no_blocks_held(&server).await;
     let status = server.terminate();
     assert!(status.success(), "clean exit after SIGTERM: {status:?}");
+    let left: Vec<_> = shm_segments().difference(&segments_before).cloned().collect();
+    assert!(left.is_empty(), "shared memory left behind: {left:?}");
 }

@@ -349,6 +349,19 @@ impl WorkerClient {
         }
     }
 
+    /// Between steps: is the worker still there? A spawned one must not have exited; an attached
+    /// one must still hold its end of the channel (a killed process closes it).
+    pub fn check_alive(&mut self) -> Result<(), WorkerClientError> {
+        if let Some(status) = self.process.exit_status() {
+            return Err(WorkerClientError::Exited(status));
+        }
+        match self.events.try_recv() {
+            Err(TryRecvError::Empty) => Ok(()),
+            Err(TryRecvError::IpcError(error)) => Err(WorkerClientError::Exited(format!("{error:?}"))),
+            Ok(event) => Err(WorkerClientError::Protocol(format!("{event:?} between steps"))),
+        }
+    }
+
     /// A worker that failed a step or missed its deadline is not trusted again: a spawned one is
     /// killed at once (a hung process would otherwise hold its memory), an attached one is cut off.
     pub fn abandon(mut self) {

@@ -13,6 +13,9 @@ use rivulet::proto::admin_client::AdminClient;
 use rivulet::proto::generation_client::GenerationClient;
 use rivulet::proto::{GenerateRequest, SamplingParams, StoppingCriteria};
 use tonic::transport::Channel;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -33,11 +36,22 @@ pub fn binary(name: &str) -> PathBuf {
 pub struct TestServer {
     child: Child,
     pub address: String,
+    /// `client()` first waits until a worker replica is ready (the port opens before).
+    wait_for_worker: bool,
 }
 
 impl TestServer {
     /// Starts the server with test-sized defaults plus `env` overrides (`RIVULET_*` variables).
     pub fn start(env: &[(&str, &str)]) -> Self {
+        Self::launch(env, true)
+    }
+
+    /// Starts a server whose workers will attach later: `client()` does not wait for one.
+    pub fn start_without_waiting_for_workers(env: &[(&str, &str)]) -> Self {
+        Self::launch(env, false)
+    }
+
+    fn launch(env: &[(&str, &str)], wait_for_worker: bool) -> Self {
         let scheduler = binary("rivulet-scheduler");
         assert!(
             scheduler.exists(),
@@ -78,7 +92,11 @@ impl TestServer {
                 panic!("rivulet-scheduler did not start listening: {:?}", child.wait());
             }
         };
-        Self { child, address }
+        Self {
+            child,
+            address,
+            wait_for_worker,
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -86,9 +104,36 @@ impl TestServer {
     }
 
     pub async fn client(&self) -> GenerationClient<Channel> {
+        if self.wait_for_worker {
+            self.wait_until_serving(Duration::from_secs(300)).await;
+        }
         GenerationClient::connect(format!("http://{}", self.address))
             .await
             .expect("connect")
+    }
+
+    /// The standard gRPC health status of the server as a whole.
+    pub async fn health(&self) -> ServingStatus {
+        let channel = Channel::from_shared(format!("http://{}", self.address))
+            .expect("address")
+            .connect()
+            .await
+            .expect("connect health");
+        let mut health = HealthClient::new(channel);
+        let response = health
+            .check(HealthCheckRequest { service: String::new() })
+            .await
+            .expect("health check")
+            .into_inner();
+        ServingStatus::try_from(response.status).expect("a known status")
+    }
+
+    /// Waits until health says SERVING (some worker replica is ready).
+    pub async fn wait_until_serving(&self, timeout: Duration) {
+        wait_until(timeout, "the server to be SERVING", || async {
+            self.health().await == ServingStatus::Serving
+        })
+        .await;
     }
 
     pub async fn admin(&self) -> AdminClient<Channel> {
@@ -181,4 +226,87 @@ pub fn hf_reference(mut request: serde_json::Value) -> serde_json::Value {
     let output = child.wait_with_output().expect("reference output");
     assert!(output.status.success(), "reference script failed: {:?}", output.status);
     serde_json::from_slice(&output.stdout).expect("reference JSON")
+}
+
+/// Polls `condition` every 100 ms until it holds; panics naming `what` after `timeout`.
+pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + timeout;
+    while !condition().await {
+        assert!(std::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The shared-memory segments (step buffers) that exist now.
+pub fn shm_segments() -> std::collections::BTreeSet<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .map(|entry| entry.file_name().to_string_lossy().into_owned())
+                .filter(|name| name.starts_with("shmem_"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Sends `signal` (e.g. "KILL", "STOP") to process `pid`.
+pub fn signal(pid: u32, signal: &str) {
+    let status = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill -{signal} {pid}");
+}
+
+/// Streams `request` to the end: every token id in order, or the error status that ended it.
+pub async fn stream_tokens(
+    client: &mut GenerationClient<Channel>,
+    request: GenerateRequest,
+) -> Result<Vec<u32>, tonic::Status> {
+    use tokio_stream::StreamExt;
+    let mut stream = client.stream_generate(request).await?.into_inner();
+    let mut tokens = Vec::new();
+    while let Some(message) = stream.next().await {
+        tokens.extend(message?.token_ids);
+    }
+    Ok(tokens)
+}
+
+/// Greedy reference tokens from transformers for each prompt.
+pub async fn reference_tokens(prompts: &[String], max_new_tokens: u32) -> Vec<Vec<u32>> {
+    let prompts = prompts.to_vec();
+    let reference = tokio::task::spawn_blocking(move || {
+        hf_reference(serde_json::json!({"task": "greedy", "prompts": prompts, "max_new_tokens": max_new_tokens}))
+    })
+    .await
+    .expect("reference");
+    reference["results"]
+        .as_array()
+        .expect("results")
+        .iter()
+        .map(|result| serde_json::from_value(result["output_ids"].clone()).expect("output ids"))
+        .collect()
+}
+
+/// Asserts that no replica holds a KV block any more, nothing waits and nothing runs.
+pub async fn assert_no_blocks_held(server: &TestServer) {
+    let mut stats = server.stats().await;
+    // Cancelled or finished sequences leave at the next iteration: give it a moment.
+    for _ in 0..50 {
+        if stats.kv_blocks_used == 0 && stats.num_running == 0 && stats.num_waiting == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        stats = server.stats().await;
+    }
+    assert_eq!((stats.kv_blocks_used, stats.num_running, stats.num_waiting), (0, 0, 0), "{stats:?}");
+    for replica in &stats.replicas {
+        assert_eq!(replica.kv_blocks_used, 0, "replica {replica:?}");
+    }
 }

@@ -21,6 +21,8 @@ use super::ReplicaId;
 /// The first restart waits this long; each failure in a row doubles it, up to `MAX_BACKOFF`.
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// How often an idle worker is checked for life, so that health tells the truth between requests.
+const IDLE_LIVENESS_POLL: Duration = Duration::from_millis(250);
 
 /// Engine → driver.
 pub enum DriverCommand {
@@ -192,8 +194,16 @@ impl Driver {
     fn serve(&self, mut client: WorkerClient) -> Served {
         let mut stepped = false;
         loop {
-            let Ok(DriverCommand::RunStep { step, buffer }) = self.commands.recv() else {
-                return Served::Released;
+            let (step, buffer) = match self.commands.recv_timeout(IDLE_LIVENESS_POLL) {
+                Ok(DriverCommand::RunStep { step, buffer }) => (step, buffer),
+                Err(RecvTimeoutError::Disconnected) => return Served::Released,
+                Err(RecvTimeoutError::Timeout) => match client.check_alive() {
+                    Ok(()) => continue,
+                    Err(error) => {
+                        client.abandon();
+                        return Served::Failed { error, stepped };
+                    }
+                },
             };
             match client.run_step(step) {
                 Ok(timing) => {

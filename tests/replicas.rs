@@ -1,0 +1,150 @@
+//! Two spawned worker replicas behind one scheduler: concurrent greedy requests equal
+//! transformers' tokens and both replicas serve; a replica whose worker is SIGKILLed, or
+//! SIGSTOPped (hung: caught by the step deadline), loses no request: its sequences move to the
+//! other replica and are recomputed, and every stream ends with the reference's tokens. One
+//! server for all of it (each model load costs seconds on two cores).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{assert_no_blocks_held, greedy_request, reference_tokens, shm_segments, signal, stream_tokens, TestServer};
+use futures::future::join_all;
+use rivulet::proto::generation_client::GenerationClient;
+use rivulet::proto::{GetStatsResponse, ReplicaState};
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+
+const TOKENS: u32 = 32;
+
+fn prompts() -> Vec<String> {
+    [
+        "The capital of France is",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        "Once upon a time, in a small village by the sea,",
+        "List three uses of copper:",
+        "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+        "The quick brown fox",
+        "In 1969, the first humans",
+        "A haiku about autumn leaves:",
+        "Explain photosynthesis to a child:",
+        "SELECT name FROM users WHERE",
+        "The three primary colours are",
+        "My favourite recipe for pancakes starts with",
+        "Translate to French: Good morning, how are you?",
+        "The Pythagorean theorem states that",
+        "Dear hiring manager,",
+        "Rust's borrow checker ensures that",
+    ]
+    .iter()
+    .map(|p| (*p).to_owned())
+    .collect()
+}
+
+async fn ready_replicas(server: &TestServer) -> usize {
+    let stats = server.stats().await;
+    stats
+        .replicas
+        .iter()
+        .filter(|r| r.state == ReplicaState::Ready as i32)
+        .count()
+}
+
+/// Starts one stream per prompt, waits until each has its first message, then sends `sig` to the
+/// worker of the busiest replica and returns every stream's full token list.
+async fn streams_through(
+    server: &TestServer,
+    client: &GenerationClient<Channel>,
+    prompts: &[String],
+    sig: &str,
+) -> Vec<Vec<u32>> {
+    let mut streams = Vec::new();
+    for prompt in prompts {
+        let mut stream = client
+            .clone()
+            .stream_generate(greedy_request(prompt, TOKENS))
+            .await
+            .expect("stream")
+            .into_inner();
+        let first = stream.next().await.expect("a first message").expect("ok").token_ids;
+        streams.push((first, stream));
+    }
+    signal(busiest_worker(&server.stats().await), sig);
+    let finish = streams.into_iter().map(|(mut tokens, mut stream)| async move {
+        while let Some(message) = stream.next().await {
+            tokens.extend(message.expect("no stream fails: its sequence moves").token_ids);
+        }
+        tokens
+    });
+    tokio::time::timeout(Duration::from_secs(240), join_all(finish))
+        .await
+        .expect("every stream ends")
+}
+
+/// The worker pid of the replica running the most sequences.
+fn busiest_worker(stats: &GetStatsResponse) -> u32 {
+    stats
+        .replicas
+        .iter()
+        .max_by_key(|r| r.num_running + r.num_waiting)
+        .map(|r| r.pid)
+        .expect("a replica")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_replicas_serve_the_reference_and_lose_nothing_when_one_dies_or_hangs() {
+    let segments_before = shm_segments();
+    let mut server = TestServer::start(&[
+        ("RIVULET_WORKER__REPLICAS", "2"),
+        ("RIVULET_WORKER__STEP_TIMEOUT_SECS", "10"),
+    ]);
+    let prompts = prompts();
+    let reference = reference_tokens(&prompts, TOKENS).await;
+    let client = server.client().await;
+    common::wait_until(Duration::from_secs(300), "both replicas ready", || async {
+        ready_replicas(&server).await == 2
+    })
+    .await;
+
+    // Concurrent greedy requests: the reference's tokens, spread over both replicas.
+    let outputs = join_all(prompts.iter().map(|prompt| {
+        let mut client = client.clone();
+        async move { stream_tokens(&mut client, greedy_request(prompt, TOKENS)).await }
+    }))
+    .await;
+    for ((prompt, output), expected) in prompts.iter().zip(outputs).zip(&reference) {
+        assert_eq!(&output.expect("served"), expected, "prompt {prompt:?}");
+    }
+    let stats = server.stats().await;
+    assert_eq!(stats.replicas.len(), 2, "{stats:?}");
+    for replica in &stats.replicas {
+        assert!(replica.steps > 0, "both replicas served: {replica:?}");
+        assert!(replica.kv_blocks_total > 0 && replica.pid > 0, "{replica:?}");
+    }
+    assert_eq!(stats.num_replicas_ready, 2);
+
+    // SIGKILL the worker of the busier replica while every stream is mid-way.
+    let outputs = streams_through(&server, &client, &prompts[..8], "KILL").await;
+    for (output, expected) in outputs.iter().zip(&reference) {
+        assert_eq!(output, expected, "after SIGKILL");
+    }
+
+    // SIGSTOP (a hang): the step deadline declares it dead, it is killed and replaced.
+    common::wait_until(Duration::from_secs(300), "both replicas ready again", || async {
+        ready_replicas(&server).await == 2
+    })
+    .await;
+    let outputs = streams_through(&server, &client, &prompts[8..], "STOP").await;
+    for (output, expected) in outputs.iter().zip(&reference[8..]) {
+        assert_eq!(output, expected, "after SIGSTOP");
+    }
+    let stats = server.stats().await;
+    let restarts: u32 = stats.replicas.iter().map(|r| r.restarts).sum();
+    assert_eq!(restarts, 2, "{stats:?}");
+
+    assert_no_blocks_held(&server).await;
+    let status = server.terminate();
+    assert!(status.success(), "clean exit after SIGTERM: {status:?}");
+    let left: Vec<_> = shm_segments().difference(&segments_before).cloned().collect();
+    assert!(left.is_empty(), "shared memory left behind: {left:?}");
+}
