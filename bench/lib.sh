@@ -36,7 +36,12 @@ start_rivulet() {
     env "$@" RIVULET_SERVER__LISTEN="127.0.0.1:$port" "$ROOT/target/release/rivulet-scheduler" >"$log" 2>&1 &
     SERVER_PIDS+=($!)
     wait_for_port "$port" "rivulet-scheduler"
-    # The port opens after the worker is ready (the server starts listening last).
+    # The port opens at once; wait until every spawned worker replica is ready.
+    local replicas=1 assignment
+    for assignment in "$@"; do
+        [[ "$assignment" == RIVULET_WORKER__REPLICAS=* ]] && replicas="${assignment#*=}"
+    done
+    "$BENCH" wait-ready --url "http://127.0.0.1:$port" --replicas "$replicas"
 }
 
 # start_llama_server PORT SLOTS CONTEXT_PER_SLOT LOG: llama.cpp's server with SLOTS parallel slots.

@@ -11,8 +11,8 @@ use std::process::{Child, Command};
 use std::time::Duration;
 
 use common::{
-    assert_no_blocks_held, binary, greedy_request, reference_tokens, shm_segments, signal, stream_tokens,
-    wait_until, TestServer,
+    assert_no_blocks_held, binary, greedy_request, reference_tokens, shm_segments, signal, stream_tokens, wait_until,
+    TestServer,
 };
 use futures::future::join_all;
 use rivulet::proto::{DrainWorkerRequest, ReplicaState};
@@ -38,7 +38,10 @@ fn wait_exit(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
         if let Some(status) = child.try_wait().expect("wait") {
             return status;
         }
-        assert!(std::time::Instant::now() < deadline, "the worker did not exit in {timeout:?}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker did not exit in {timeout:?}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -83,7 +86,10 @@ async fn attached_workers_join_drain_and_leave_while_serving() {
     assert_eq!(early.expect("served"), reference[0]);
     let stats = server.stats().await;
     assert_eq!(stats.replicas.len(), 1, "{stats:?}");
-    assert!(stats.replicas[0].attached && stats.replicas[0].pid == first.id(), "{stats:?}");
+    assert!(
+        stats.replicas[0].attached && stats.replicas[0].pid == first.id(),
+        "{stats:?}"
+    );
     let first_id = stats.replicas[0].id;
 
     // Streams on the first worker; a second attaches meanwhile; the first is drained.
@@ -100,7 +106,12 @@ async fn attached_workers_join_drain_and_leave_while_serving() {
     let mut second = attach_worker(&socket);
     wait_until(Duration::from_secs(300), "the second worker ready", || async {
         let stats = server.stats().await;
-        stats.replicas.iter().filter(|r| r.state == ReplicaState::Ready as i32).count() == 2
+        stats
+            .replicas
+            .iter()
+            .filter(|r| r.state == ReplicaState::Ready as i32)
+            .count()
+            == 2
     })
     .await;
     server
@@ -135,7 +146,10 @@ async fn attached_workers_join_drain_and_leave_while_serving() {
         server.health().await == ServingStatus::NotServing
     })
     .await;
-    assert!(server.stats().await.replicas.is_empty(), "a worker that disconnects leaves the pool");
+    assert!(
+        server.stats().await.replicas.is_empty(),
+        "a worker that disconnects leaves the pool"
+    );
 
     // A new attach serves again.
     let mut third = attach_worker(&socket);
@@ -147,7 +161,10 @@ async fn attached_workers_join_drain_and_leave_while_serving() {
     let status = server.terminate();
     assert!(status.success(), "clean exit after SIGTERM: {status:?}");
     let status = wait_exit(&mut third, Duration::from_secs(30));
-    assert!(status.success(), "an attached worker exits when the scheduler goes: {status:?}");
+    assert!(
+        status.success(),
+        "an attached worker exits when the scheduler goes: {status:?}"
+    );
     assert!(!socket.exists(), "the attach socket is removed");
     let left: Vec<_> = shm_segments().difference(&segments_before).cloned().collect();
     assert!(left.is_empty(), "shared memory left behind: {left:?}");

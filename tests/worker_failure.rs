@@ -1,6 +1,6 @@
-//! One replica whose worker is SIGKILLed mid-stream: the stream does not fail but continues once
-//! the restarted worker has recomputed it, with the tokens of an undisturbed run (transformers'),
-//! and nothing is sent twice. The restarted worker starts with an empty prefix cache: a long
+//! One replica whose worker is SIGKILLed mid-stream: the streams do not fail but continue once
+//! the restarted worker has recomputed them, with the tokens of an undisturbed run (transformers'
+//! for greedy; the same request's earlier run for seeded sampling), and nothing is sent twice. The restarted worker starts with an empty prefix cache: a long
 //! prompt cached before the kill is computed afresh and gives the reference's tokens (before the
 //! replica owned its cache, the old cache entries pointed at blocks the new worker never
 //! computed, and the output was garbage).
@@ -9,8 +9,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{assert_no_blocks_held, greedy_request, reference_tokens, shm_segments, signal, TestServer};
-use rivulet::proto::FinishReason;
+use common::{
+    assert_no_blocks_held, greedy_request, reference_tokens, shm_segments, signal, stream_tokens, TestServer,
+};
+use rivulet::proto::{FinishReason, GenerateRequest, SamplingParams};
 use tokio_stream::StreamExt;
 
 const TOKENS: u32 = 40;
@@ -23,11 +25,25 @@ fn long_prompt() -> String {
         .to_owned()
 }
 
+fn seeded_request(prompt: &str) -> GenerateRequest {
+    GenerateRequest {
+        sampling: Some(SamplingParams {
+            temperature: Some(0.9),
+            seed: Some(4242),
+            ..Default::default()
+        }),
+        ..greedy_request(prompt, TOKENS)
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_killed_worker_is_replaced_and_its_streams_continue_with_the_reference_tokens() {
     let segments_before = shm_segments();
     let mut server = TestServer::start(&[]);
-    let prompts = vec![long_prompt(), "Tell me a very long story about a lighthouse keeper.".to_owned()];
+    let prompts = vec![
+        long_prompt(),
+        "Tell me a very long story about a lighthouse keeper.".to_owned(),
+    ];
     let reference = reference_tokens(&prompts, TOKENS).await;
     let mut client = server.client().await;
 
@@ -39,12 +55,22 @@ async fn a_killed_worker_is_replaced_and_its_streams_continue_with_the_reference
         .into_inner();
     assert_eq!(first.token_ids, reference[0]);
 
-    // A stream in flight when the worker dies.
+    // A seeded sampled request, undisturbed, for comparison.
+    let undisturbed_seeded = stream_tokens(&mut client, seeded_request(&prompts[1]))
+        .await
+        .expect("seeded");
+
+    // A greedy and a seeded stream in flight when the worker dies.
     let mut stream = client
         .stream_generate(greedy_request(&prompts[1], TOKENS))
         .await
         .expect("stream")
         .into_inner();
+    let seeded_stream = {
+        let mut client = client.clone();
+        let prompt = prompts[1].clone();
+        tokio::spawn(async move { stream_tokens(&mut client, seeded_request(&prompt)).await })
+    };
     let mut streamed = stream.next().await.expect("a first message").expect("ok").token_ids;
     let stats = server.stats().await;
     let worker = stats.replicas[0].pid;
@@ -64,6 +90,14 @@ async fn a_killed_worker_is_replaced_and_its_streams_continue_with_the_reference
     .expect("the stream must end, not hang");
     assert_eq!(rest, Some(FinishReason::MaxTokens as i32));
     assert_eq!(streamed, reference[1], "the tokens of an undisturbed run, none twice");
+    let seeded = seeded_stream
+        .await
+        .expect("task")
+        .expect("the seeded stream continues too");
+    assert_eq!(
+        seeded, undisturbed_seeded,
+        "a seeded stream draws the same tokens after recovery"
+    );
 
     let stats = server.stats().await;
     assert_eq!(stats.replicas.len(), 1, "{stats:?}");

@@ -5,6 +5,7 @@
 //! rivulet-bench run --backend rivulet --url http://127.0.0.1:50051 --num-prompts 64 --max-concurrency 8 --ignore-eos
 //! rivulet-bench run --backend openai --url http://127.0.0.1:8080 --num-prompts 64 --max-concurrency 8 --ignore-eos
 //! rivulet-bench compare --left rivulet=a.jsonl --right llama-server=b.jsonl
+//! rivulet-bench wait-ready --url http://127.0.0.1:50051 --replicas 2
 //! ```
 
 mod arrivals;
@@ -42,6 +43,8 @@ enum Command {
     Run(Box<RunArgs>),
     /// Print two sets of runs side by side (each the mean of its rounds) with their ratio.
     Compare(compare::CompareArgs),
+    /// Wait until a Rivulet server has this many worker replicas ready (its port opens before).
+    WaitReady(server_stats::WaitReadyArgs),
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, Serialize)]
@@ -134,6 +137,7 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Run(args) => run(*args).await,
         Command::Compare(args) => compare::print(&args),
+        Command::WaitReady(args) => server_stats::wait_ready(&args).await,
     }
 }
 

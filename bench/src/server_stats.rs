@@ -5,6 +5,44 @@ use rivulet::proto::admin_client::AdminClient;
 use rivulet::proto::{GetStatsRequest, GetStatsResponse};
 use serde::Serialize;
 
+#[derive(clap::Args, Debug)]
+pub struct WaitReadyArgs {
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    url: String,
+    /// Ready worker replicas to wait for.
+    #[arg(long, default_value_t = 1)]
+    replicas: u32,
+    #[arg(long, default_value_t = 300)]
+    timeout_secs: u64,
+}
+
+/// Polls `Admin/GetStats` until enough replicas are ready; an error after the timeout.
+pub async fn wait_ready(args: &WaitReadyArgs) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(args.timeout_secs);
+    let mut last = String::from("no answer");
+    while std::time::Instant::now() < deadline {
+        match stats(&args.url).await {
+            Ok(stats) if stats.num_replicas_ready >= args.replicas => return Ok(()),
+            Ok(stats) => last = format!("{} of {} replicas ready", stats.num_replicas_ready, args.replicas),
+            Err(status) => last = status.to_string(),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    anyhow::bail!("{}: not ready after {} s ({last})", args.url, args.timeout_secs)
+}
+
+async fn stats(url: &str) -> Result<GetStatsResponse, tonic::Status> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?
+        .connect()
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    Ok(AdminClient::new(channel)
+        .get_stats(GetStatsRequest {})
+        .await?
+        .into_inner())
+}
+
 /// Cumulative step counters at one moment.
 #[derive(Debug, Clone, Copy)]
 pub struct StepCounters {
@@ -15,15 +53,7 @@ pub struct StepCounters {
 }
 
 pub async fn read(url: &str) -> Result<StepCounters, tonic::Status> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
-        .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?
-        .connect()
-        .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    let stats: GetStatsResponse = AdminClient::new(channel)
-        .get_stats(GetStatsRequest {})
-        .await?
-        .into_inner();
+    let stats = stats(url).await?;
     Ok(StepCounters {
         iterations: stats.iterations,
         step_micros: stats.step_micros_total,

@@ -309,6 +309,11 @@ mod tests {
         blocks.register_full_blocks(&tokens, 5, &first, &mut hashes);
         assert_eq!(hashes.len(), 2, "two full blocks of two tokens");
 
+        // Routing may look without taking anything or counting a lookup.
+        assert_eq!(blocks.cached_prefix_len(&tokens), 4);
+        assert_eq!(blocks.cached_prefix_len(&[1, 2, 9, 9, 9]), 2);
+        assert_eq!(blocks.prefix_lookup_counts(), (0, 0));
+
         // A second sequence with the same prompt reuses both full blocks.
         let hit = blocks.match_prefix(&tokens);
         assert_eq!(hit.blocks, first[..2]);

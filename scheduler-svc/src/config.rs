@@ -248,6 +248,20 @@ mod tests {
             jail.set_env("RIVULET_WORKER__BLOCK_SIZE", "sixteen");
             let err = Config::load(None).expect_err("not a number").to_string();
             assert!(err.to_lowercase().contains("block_size"), "{err}");
+            jail.set_env("RIVULET_WORKER__BLOCK_SIZE", "16");
+
+            jail.set_env("RIVULET_WORKER__DEVICES", "[\"cuda:0\", \"cuda:1\"]");
+            let err = Config::load(None).expect_err("two devices, one replica").to_string();
+            assert!(err.contains("worker.devices"), "{err}");
+            jail.set_env("RIVULET_WORKER__REPLICAS", "2");
+            assert_eq!(Config::load(None).map_err(|e| e.to_string())?.worker.devices.len(), 2);
+
+            jail.set_env("RIVULET_WORKER__DEVICES", "[]");
+            jail.set_env("RIVULET_WORKER__REPLICAS", "0");
+            let err = Config::load(None).expect_err("no worker at all").to_string();
+            assert!(err.contains("worker.replicas"), "{err}");
+            jail.set_env("RIVULET_WORKER__ATTACH_SOCKET", "/tmp/rivulet-workers.sock");
+            assert_eq!(Config::load(None).map_err(|e| e.to_string())?.worker.replicas, 0);
             Ok(())
         });
     }

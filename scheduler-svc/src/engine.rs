@@ -305,7 +305,7 @@ impl Engine {
     /// Takes every pending input; when there is nothing to do, waits for one (no spinning), at
     /// most until the next deadline.
     fn receive_inputs(&mut self) {
-        let must_wait = !self.can_start_a_step() && !(!self.handles_open && self.is_idle());
+        let must_wait = !self.can_start_a_step() && (self.handles_open || !self.is_idle());
         if must_wait {
             let received = match self.next_deadline() {
                 Some(deadline) => self
@@ -368,7 +368,8 @@ impl Engine {
                 }
                 let id = self.next_sequence_id;
                 self.next_sequence_id += 1;
-                self.unrouted.push_back(Sequence::new(id, request, events, queue_ticket));
+                self.unrouted
+                    .push_back(Sequence::new(id, request, events, queue_ticket));
             }
             EngineCommand::GetStats { reply } => {
                 let _ = reply.send(self.stats.snapshot(self.unrouted.len(), &self.replicas, self.policy));
@@ -508,7 +509,11 @@ impl Engine {
     /// Puts sequences that left replica `from` back in the unrouted queue, ahead of new arrivals.
     fn reroute(&mut self, from: ReplicaId, sequences: Vec<Sequence>) {
         if !sequences.is_empty() {
-            tracing::warn!(replica = from, sequences = sequences.len(), "moving sequences to other replicas");
+            tracing::warn!(
+                replica = from,
+                sequences = sequences.len(),
+                "moving sequences to other replicas"
+            );
         }
         let now = Instant::now();
         for mut seq in sequences.into_iter().rev() {

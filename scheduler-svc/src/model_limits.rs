@@ -34,7 +34,10 @@ impl ModelLimits {
             let architecture = file.get_str("general.architecture")?;
             file.get_u64(&format!("{architecture}.context_length"))? as u32
         };
-        Ok(Self::new(vocab_size, cap.map_or(context_length, |cap| cap.min(context_length))))
+        Ok(Self::new(
+            vocab_size,
+            cap.map_or(context_length, |cap| cap.min(context_length)),
+        ))
     }
 
     pub fn new(vocab_size: u32, max_model_len: u32) -> Self {

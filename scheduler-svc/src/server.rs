@@ -96,7 +96,10 @@ async fn set_health(reporter: &tonic_health::server::HealthReporter, serving: bo
         tonic_health::ServingStatus::NotServing
     };
     reporter
-        .set_service_status(<GenerationServer<GenerationService> as tonic::server::NamedService>::NAME, status)
+        .set_service_status(
+            <GenerationServer<GenerationService> as tonic::server::NamedService>::NAME,
+            status,
+        )
         .await;
     reporter.set_service_status("", status).await;
 }

@@ -79,12 +79,7 @@ impl EngineStats {
 
     /// Copies the counters out, with the queue figures the engine passes in and the KV figures
     /// pooled over the replicas whose workers are up.
-    pub fn snapshot(
-        &self,
-        num_unrouted: usize,
-        replicas: &[Replica],
-        policy: SchedulingPolicy,
-    ) -> StatsSnapshot {
+    pub fn snapshot(&self, num_unrouted: usize, replicas: &[Replica], policy: SchedulingPolicy) -> StatsSnapshot {
         let window_seconds = self.window_start.elapsed().as_secs_f64();
         let tokens_per_second = if window_seconds > 0.0 {
             self.window_tokens as f64 / window_seconds

@@ -64,7 +64,11 @@ impl WorkerLaunch {
     /// The settings for spawned replica `index` of `count` (its device, its share of the cores).
     pub fn from_config(config: &Config, index: usize, count: usize) -> Self {
         let worker = &config.worker;
-        let device = worker.devices.get(index).cloned().unwrap_or_else(|| worker.device.clone());
+        let device = worker
+            .devices
+            .get(index)
+            .cloned()
+            .unwrap_or_else(|| worker.device.clone());
         let threads = worker.threads.or_else(|| {
             // Several CPU replicas on one machine split its cores instead of fighting over them.
             (count > 1).then(|| {
@@ -219,7 +223,9 @@ impl WorkerClient {
             .set_read_timeout(Some(launch.startup_timeout))
             .map_err(|e| attach_error(&e))?;
         let mut line = String::new();
-        BufReader::new(&stream).read_line(&mut line).map_err(|e| attach_error(&e))?;
+        BufReader::new(&stream)
+            .read_line(&mut line)
+            .map_err(|e| attach_error(&e))?;
         let hello: AttachHello = serde_json::from_str(&line).map_err(|e| attach_error(&e))?;
         let mut writer = &stream;
         let mut reply = |reply: &AttachReply| -> Result<(), WorkerClientError> {

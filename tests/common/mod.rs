@@ -104,12 +104,16 @@ impl TestServer {
     }
 
     pub async fn client(&self) -> GenerationClient<Channel> {
-        if self.wait_for_worker {
-            self.wait_until_serving(Duration::from_secs(300)).await;
-        }
+        self.wait_for_worker_if_expected().await;
         GenerationClient::connect(format!("http://{}", self.address))
             .await
             .expect("connect")
+    }
+
+    async fn wait_for_worker_if_expected(&self) {
+        if self.wait_for_worker {
+            self.wait_until_serving(Duration::from_secs(300)).await;
+        }
     }
 
     /// The standard gRPC health status of the server as a whole.
@@ -142,7 +146,9 @@ impl TestServer {
             .expect("connect admin")
     }
 
+    /// The server's stats (once a worker is ready, unless started without waiting for one).
     pub async fn stats(&self) -> rivulet::proto::GetStatsResponse {
+        self.wait_for_worker_if_expected().await;
         let request = rivulet::proto::GetStatsRequest {};
         self.admin().await.get_stats(request).await.expect("stats").into_inner()
     }
@@ -236,7 +242,10 @@ where
 {
     let deadline = std::time::Instant::now() + timeout;
     while !condition().await {
-        assert!(std::time::Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -305,7 +314,11 @@ pub async fn assert_no_blocks_held(server: &TestServer) {
         tokio::time::sleep(Duration::from_millis(100)).await;
         stats = server.stats().await;
     }
-    assert_eq!((stats.kv_blocks_used, stats.num_running, stats.num_waiting), (0, 0, 0), "{stats:?}");
+    assert_eq!(
+        (stats.kv_blocks_used, stats.num_running, stats.num_waiting),
+        (0, 0, 0),
+        "{stats:?}"
+    );
     for replica in &stats.replicas {
         assert_eq!(replica.kv_blocks_used, 0, "replica {replica:?}");
     }

@@ -10,7 +10,10 @@ use rivulet_worker::memory::KvBudget;
 use rivulet_worker::service::{serve, WorkerOptions};
 
 #[derive(Debug, Parser)]
-#[command(version, about = "Rivulet model worker (spawned by rivulet-scheduler, or attached with --attach)")]
+#[command(
+    version,
+    about = "Rivulet model worker (spawned by rivulet-scheduler, or attached with --attach)"
+)]
 struct Args {
     /// Attach to the scheduler listening on this Unix socket (its `worker.attach_socket`); the
     /// scheduler sends the model and cache settings.

@@ -24,10 +24,10 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// How often an idle worker is checked for life, so that health tells the truth between requests.
 const IDLE_LIVENESS_POLL: Duration = Duration::from_millis(250);
 
-/// Engine → driver.
+/// Engine → driver. The step buffer travels boxed: its mapping handle is a few hundred bytes.
 pub enum DriverCommand {
     /// Run the step whose inputs are in `buffer`.
-    RunStep { step: u64, buffer: StepBuffer },
+    RunStep { step: u64, buffer: Box<StepBuffer> },
 }
 
 /// Driver → engine, about one worker process of the replica (`incarnation` counts them).
@@ -43,11 +43,11 @@ pub enum ReplicaEvent {
     Ready {
         pid: u32,
         ready: ReadyInfo,
-        buffer: StepBuffer,
+        buffer: Box<StepBuffer>,
     },
     StepDone {
         step: u64,
-        buffer: StepBuffer,
+        buffer: Box<StepBuffer>,
         timing: StepTiming,
     },
     /// The worker is gone (died, hung past the step deadline, failed a step or its start); its
@@ -101,7 +101,7 @@ impl DriverHandle {
     }
 
     /// Hands the step buffer to the driver to run `step`; gives it back if the driver is gone.
-    pub fn run_step(&self, step: u64, buffer: StepBuffer) -> Result<(), StepBuffer> {
+    pub fn run_step(&self, step: u64, buffer: Box<StepBuffer>) -> Result<(), Box<StepBuffer>> {
         let Some(commands) = &self.commands else {
             return Err(buffer);
         };
@@ -155,7 +155,7 @@ impl Driver {
                     self.send(ReplicaEvent::Ready {
                         pid: client.pid(),
                         ready: client.ready().clone(),
-                        buffer,
+                        buffer: Box::new(buffer),
                     });
                     match self.serve(client) {
                         Served::Released => break,

@@ -28,7 +28,7 @@ pub struct LiveReplica {
     pub running: Vec<Sequence>,
     pub waiting: WaitingQueue,
     /// With the engine between steps; with the driver while one runs.
-    buffer: Option<StepBuffer>,
+    buffer: Option<Box<StepBuffer>>,
     in_flight: Option<InFlight>,
     last_step: u64,
 }
@@ -43,7 +43,7 @@ struct InFlight {
 impl LiveReplica {
     pub fn new(
         ready: ReadyInfo,
-        buffer: StepBuffer,
+        buffer: Box<StepBuffer>,
         limits: SchedulerLimits,
         policy: SchedulingPolicy,
         block_config: BlockManagerConfig,
@@ -84,7 +84,7 @@ impl LiveReplica {
 
     /// Plans the next step and writes it into the step buffer; returns its number and the buffer
     /// for the driver, or `None` when there is nothing to run.
-    pub fn begin_step(&mut self, stats: &mut EngineStats) -> Option<(u64, StepBuffer)> {
+    pub fn begin_step(&mut self, stats: &mut EngineStats) -> Option<(u64, Box<StepBuffer>)> {
         if self.is_stepping() || !self.has_work() {
             return None;
         }
@@ -98,10 +98,12 @@ impl LiveReplica {
             // Nothing fits even alone (a cache smaller than validation assumed): never spin on it.
             if let Some(seq) = self.waiting.pop_front() {
                 let capacity = self.ready.num_blocks as usize * self.ready.block_size as usize;
-                let _ = seq.events.send(SequenceEvent::Failed(EngineError::WorkerUnavailable(format!(
-                    "the request ({} tokens) does not fit in this worker's KV cache of {capacity} tokens",
-                    seq.tokens.len()
-                ))));
+                let _ = seq
+                    .events
+                    .send(SequenceEvent::Failed(EngineError::WorkerUnavailable(format!(
+                        "the request ({} tokens) does not fit in this worker's KV cache of {capacity} tokens",
+                        seq.tokens.len()
+                    ))));
             }
             return None;
         }
@@ -125,7 +127,7 @@ impl LiveReplica {
     }
 
     /// The driver could not take the step (it is gone): keep the buffer, forget the step.
-    pub fn cancel_step(&mut self, buffer: StepBuffer) {
+    pub fn cancel_step(&mut self, buffer: Box<StepBuffer>) {
         self.buffer = Some(buffer);
         self.in_flight = None;
     }
@@ -134,7 +136,7 @@ impl LiveReplica {
     pub fn finish_step(
         &mut self,
         step: u64,
-        buffer: StepBuffer,
+        buffer: Box<StepBuffer>,
         timing: StepTiming,
         tokenizer: &ModelTokenizer,
         stats: &mut EngineStats,
@@ -147,13 +149,7 @@ impl LiveReplica {
         let in_flight = self.in_flight.take();
         let returned = Instant::now();
         if let Some(in_flight) = in_flight.filter(|f| f.step == step) {
-            let generated = apply_outputs(
-                &mut self.running,
-                &mut self.blocks,
-                &in_flight.plan,
-                &buffer,
-                &context,
-            );
+            let generated = apply_outputs(&mut self.running, &mut self.blocks, &in_flight.plan, &buffer, &context);
             stats.record_tokens(generated);
             stats.record_step(
                 in_flight.started.elapsed(),
