@@ -9,12 +9,12 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    assert_no_blocks_held, greedy_request, reference_tokens, shm_segments, signal, stream_tokens, TestServer,
+    assert_no_blocks_held, finish_streams, greedy_request, reference_tokens, shm_segments, signal, start_streams,
+    stream_tokens, TestServer,
 };
 use futures::future::join_all;
 use rivulet::proto::generation_client::GenerationClient;
 use rivulet::proto::{GetStatsResponse, ReplicaState};
-use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
 /// Tokens of each concurrent request; the disturbed streams run twice as long, so that they are
@@ -63,19 +63,8 @@ async fn streams_through(
     prompts: &[String],
     sig: &str,
 ) -> Vec<Vec<u32>> {
-    let streams = join_all(prompts.iter().map(|prompt| {
-        let mut client = client.clone();
-        async move {
-            let mut stream = client
-                .stream_generate(greedy_request(prompt, DISTURBED_TOKENS))
-                .await
-                .expect("stream")
-                .into_inner();
-            let first = stream.next().await.expect("a first message").expect("ok").token_ids;
-            (first, stream)
-        }
-    }))
-    .await;
+    let requests = prompts.iter().map(|p| greedy_request(p, DISTURBED_TOKENS)).collect();
+    let streams = start_streams(client, requests).await;
     let stats = server.stats().await;
     let (victim, sequences) = busiest_worker(&stats);
     assert!(
@@ -83,15 +72,7 @@ async fn streams_through(
         "the victim holds several sequences mid-stream: {stats:?}"
     );
     signal(victim, sig);
-    let finish = streams.into_iter().map(|(mut tokens, mut stream)| async move {
-        while let Some(message) = stream.next().await {
-            tokens.extend(message.expect("no stream fails: its sequence moves").token_ids);
-        }
-        tokens
-    });
-    tokio::time::timeout(Duration::from_secs(240), join_all(finish))
-        .await
-        .expect("every stream ends")
+    finish_streams(streams, "no stream fails: its sequence moves").await
 }
 
 /// The worker pid of the replica holding the most sequences, and how many it holds.

@@ -287,6 +287,37 @@ pub async fn stream_tokens(
     Ok(tokens)
 }
 
+/// A stream that has delivered its first tokens, and the rest of it.
+pub type StartedStream = (Vec<u32>, tonic::Streaming<rivulet::proto::GenerateStreamResponse>);
+
+/// Starts one stream per request, concurrently, and returns once each has its first message.
+pub async fn start_streams(client: &GenerationClient<Channel>, requests: Vec<GenerateRequest>) -> Vec<StartedStream> {
+    use tokio_stream::StreamExt;
+    futures::future::join_all(requests.into_iter().map(|request| {
+        let mut client = client.clone();
+        async move {
+            let mut stream = client.stream_generate(request).await.expect("stream").into_inner();
+            let first = stream.next().await.expect("a first message").expect("ok").token_ids;
+            (first, stream)
+        }
+    }))
+    .await
+}
+
+/// Reads started streams to their ends; every one must succeed (`why` says why it should).
+pub async fn finish_streams(streams: Vec<StartedStream>, why: &'static str) -> Vec<Vec<u32>> {
+    use tokio_stream::StreamExt;
+    let finish = streams.into_iter().map(|(mut tokens, mut stream)| async move {
+        while let Some(message) = stream.next().await {
+            tokens.extend(message.expect(why).token_ids);
+        }
+        tokens
+    });
+    tokio::time::timeout(Duration::from_secs(240), futures::future::join_all(finish))
+        .await
+        .expect("every stream ends")
+}
+
 /// Greedy reference tokens from transformers for each prompt.
 pub async fn reference_tokens(prompts: &[String], max_new_tokens: u32) -> Vec<Vec<u32>> {
     let prompts = prompts.to_vec();
