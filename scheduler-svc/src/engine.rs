@@ -220,6 +220,7 @@ struct Engine {
     handles_open: bool,
     /// Set once a graceful shutdown began: when the remaining requests are ended.
     drain_deadline: Option<Instant>,
+    drain_expired: bool,
     serving: watch::Sender<bool>,
     /// Drivers of replicas that left the pool, joined when the engine stops.
     retired: Vec<DriverHandle>,
@@ -260,6 +261,7 @@ impl Engine {
             input_sender,
             handles_open: true,
             drain_deadline: None,
+            drain_expired: false,
             serving,
             retired: Vec::new(),
             attach_listener: None,
@@ -332,7 +334,10 @@ impl Engine {
             .filter_map(|seq| seq.unrouted_since)
             .min()
             .map(|since| since + self.no_worker_timeout());
-        [self.drain_deadline, no_worker].into_iter().flatten().min()
+        // A drain deadline that already fired is not waited for again: what it could not end at
+        // once (sequences in a step) is ended when that step returns.
+        let drain = self.drain_deadline.filter(|deadline| *deadline > Instant::now());
+        [drain, no_worker].into_iter().flatten().min()
     }
 
     fn no_worker_timeout(&self) -> Duration {
@@ -438,14 +443,13 @@ impl Engine {
                     replica.driver.stop();
                     return;
                 }
-                self.limits
-                    .record_kv_capacity(ready.num_blocks as usize * ready.block_size as usize);
                 let live = LiveReplica::new(ready, buffer, self.scheduler_limits, self.policy, self.block_config);
                 let replica = &mut self.replicas[index];
                 replica.live = Some(live);
                 if replica.state != ReplicaState::Draining {
                     replica.state = ReplicaState::Ready;
                 }
+                self.publish_kv_capacity();
             }
             ReplicaEvent::StepDone { step, buffer, timing } if current => {
                 replica.steps += 1;
@@ -503,6 +507,21 @@ impl Engine {
         if let Some(live) = replica.live.take() {
             let id = replica.id;
             self.reroute(id, live.evacuate());
+            self.publish_kv_capacity();
+        }
+    }
+
+    /// Validation's KV limit: the largest cache among the replicas that are up (unchanged while
+    /// none is, so requests keep being checked against the last known pool).
+    fn publish_kv_capacity(&self) {
+        let largest = self
+            .replicas
+            .iter()
+            .filter_map(|r| r.live.as_ref())
+            .map(LiveReplica::capacity_tokens)
+            .max();
+        if let Some(tokens) = largest {
+            self.limits.set_kv_capacity(tokens);
         }
     }
 
@@ -567,7 +586,10 @@ impl Engine {
     fn enforce_deadlines(&mut self) {
         let now = Instant::now();
         if self.drain_deadline.is_some_and(|deadline| now >= deadline) && !self.is_idle() {
-            tracing::warn!("shutdown timeout: ending the remaining requests");
+            if !self.drain_expired {
+                tracing::warn!("shutdown timeout: ending the remaining requests");
+                self.drain_expired = true;
+            }
             self.fail_everything(&EngineError::ShuttingDown);
         }
         let timeout = self.no_worker_timeout();
@@ -596,17 +618,28 @@ impl Engine {
     /// Gives every unrouted request to a replica: the one with the longest prefix-cache hit for
     /// it, then the one with the most KV room left after its own queue.
     fn route_unrouted(&mut self) {
+        let mut no_replica_yet = Vec::new();
         while let Some(mut seq) = self.unrouted.pop_front() {
+            let mut any_routable = false;
             let best = self
                 .replicas
                 .iter()
                 .enumerate()
                 .filter_map(|(index, replica)| replica.routable().map(|live| (index, live)))
+                .inspect(|_| any_routable = true)
+                .filter(|(_, live)| live.can_ever_hold(&seq))
                 .max_by_key(|(_, live)| (live.blocks.cached_prefix_len(&seq.tokens), live.room_after_queue()))
                 .map(|(index, _)| index);
             let Some(index) = best else {
-                self.unrouted.push_front(seq);
-                return;
+                if any_routable {
+                    // Ready replicas exist, and none has the KV cache for it.
+                    let _ = seq.events.send(SequenceEvent::Failed(EngineError::WorkerUnavailable(
+                        "the request does not fit in any ready worker's KV cache".to_owned(),
+                    )));
+                } else {
+                    no_replica_yet.push(seq);
+                }
+                continue;
             };
             seq.unrouted_since = None;
             if let Some(live) = self.replicas[index].live.as_mut() {
@@ -618,16 +651,19 @@ impl Engine {
                 }
             }
         }
+        for seq in no_replica_yet.into_iter().rev() {
+            self.unrouted.push_front(seq);
+        }
     }
 
-    /// A ready replica with nothing waiting and room in its batch takes waiting requests from the
-    /// replica with the longest queue, so that no replica idles while another one queues.
+    /// A ready replica with nothing to do takes half the queue of the replica with the longest
+    /// one (which is busy running others), so that no replica idles while another one queues.
     fn rebalance_waiting(&mut self) {
-        let max_num_seqs = self.scheduler_limits.max_num_seqs;
-        let Some(idle) = self.replicas.iter().position(|r| {
-            r.routable()
-                .is_some_and(|live| live.waiting.is_empty() && live.running.len() < max_num_seqs)
-        }) else {
+        let Some(idle) = self
+            .replicas
+            .iter()
+            .position(|r| r.routable().is_some_and(|live| !live.has_work() && !live.is_stepping()))
+        else {
             return;
         };
         let busiest = self
@@ -635,20 +671,30 @@ impl Engine {
             .iter()
             .enumerate()
             .filter(|(index, _)| *index != idle)
-            .filter_map(|(index, r)| r.live.as_ref().map(|live| (index, live.waiting.len())))
-            .filter(|(_, waiting)| *waiting > 0)
-            .max_by_key(|(_, waiting)| *waiting);
+            .filter_map(|(index, r)| r.live.as_ref().map(|live| (index, live)))
+            .filter(|(_, live)| !live.running.is_empty() && !live.waiting.is_empty())
+            .max_by_key(|(_, live)| live.waiting.len())
+            .map(|(index, live)| (index, live.waiting.len()));
         let Some((donor, waiting)) = busiest else { return };
-        let room = max_num_seqs - self.replicas[idle].live.as_ref().map_or(0, |l| l.running.len());
-        let count = waiting.div_ceil(2).min(room);
-        let moved = match self.replicas[donor].live.as_mut() {
-            Some(live) => live.take_last_waiting(count),
-            None => return,
+        let count = waiting.div_ceil(2).min(self.scheduler_limits.max_num_seqs);
+        let Some(moved) = self.replicas[donor]
+            .live
+            .as_mut()
+            .map(|live| live.take_last_waiting(count))
+        else {
+            return;
         };
+        let (fits, stays): (Vec<_>, Vec<_>) = moved.into_iter().partition(|seq| {
+            self.replicas[idle]
+                .live
+                .as_ref()
+                .is_some_and(|live| live.can_ever_hold(seq))
+        });
+        if let Some(live) = self.replicas[donor].live.as_mut() {
+            stays.into_iter().for_each(|seq| live.waiting.push_back(seq));
+        }
         if let Some(live) = self.replicas[idle].live.as_mut() {
-            for seq in moved {
-                live.waiting.push_back(seq);
-            }
+            fits.into_iter().for_each(|seq| live.waiting.push_back(seq));
         }
     }
 
@@ -656,13 +702,16 @@ impl Engine {
     fn start_steps(&mut self) {
         for index in 0..self.replicas.len() {
             let replica = &mut self.replicas[index];
+            let incarnation = replica.incarnation;
             let Some(live) = replica.live.as_mut() else { continue };
             let Some((step, buffer)) = live.begin_step(&mut self.stats) else {
                 continue;
             };
-            if let Err(buffer) = replica.driver.run_step(step, buffer) {
-                // The driver is gone; its `Exited` message follows and moves the sequences.
-                live.cancel_step(buffer);
+            if !replica.driver.run_step(incarnation, step, buffer) {
+                // The driver is gone (it would have said why): so is the worker, for all we know.
+                replica.last_error = Some("the replica's driver stopped".to_owned());
+                replica.state = ReplicaState::Failed;
+                self.lose_worker(index);
             }
         }
     }
@@ -682,6 +731,10 @@ impl Engine {
         let _ = self.serving.send(false);
         let replicas = std::mem::take(&mut self.replicas);
         self.retired.extend(replicas.into_iter().map(|replica| replica.driver));
+        // Every worker is told to exit before any is waited for.
+        for driver in &mut self.retired {
+            driver.stop();
+        }
         for driver in self.retired.drain(..) {
             driver.join();
         }

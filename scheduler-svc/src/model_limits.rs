@@ -21,7 +21,7 @@ pub struct ModelLimits {
     pub vocab_size: u32,
     /// The model's context length, capped by `model.max_model_len`.
     pub max_model_len: u32,
-    /// Tokens the largest KV cache among the replicas seen so far holds (0: none seen yet).
+    /// Tokens the largest KV cache among the live replicas holds (0: none seen yet).
     kv_capacity_tokens: AtomicUsize,
 }
 
@@ -48,13 +48,13 @@ impl ModelLimits {
         }
     }
 
-    /// The largest KV cache (in tokens) of any replica seen, if one was.
+    /// The largest KV cache (in tokens) of the live replicas, if one was seen.
     pub fn kv_capacity_tokens(&self) -> Option<usize> {
         Some(self.kv_capacity_tokens.load(Ordering::Acquire)).filter(|&tokens| tokens > 0)
     }
 
-    pub fn record_kv_capacity(&self, tokens: usize) {
-        self.kv_capacity_tokens.fetch_max(tokens, Ordering::AcqRel);
+    pub fn set_kv_capacity(&self, tokens: usize) {
+        self.kv_capacity_tokens.store(tokens, Ordering::Release);
     }
 }
 

@@ -22,6 +22,9 @@ use thiserror::Error;
 
 use crate::config::Config;
 
+/// An attach hello is a few dozen bytes; anything far longer is not a worker.
+const MAX_HELLO_BYTES: usize = 64 * 1024;
+
 /// How often a wait on the worker checks that it is still alive and still wanted.
 const LIVENESS_POLL: Duration = Duration::from_millis(200);
 
@@ -104,22 +107,23 @@ impl WorkerLaunch {
 enum WorkerProcess {
     /// Spawned: the scheduler can see it exit and can kill it.
     Child(Child),
-    /// Attached from elsewhere: it is alive as long as its IPC channels are.
-    Attached { pid: u32 },
+    /// Attached from elsewhere: alive as long as it holds its end of the attach connection (and of
+    /// the IPC channels); it closes them when it exits, however it exits.
+    Attached { pid: u32, stream: UnixStream },
 }
 
 impl WorkerProcess {
     fn pid(&self) -> u32 {
         match self {
             Self::Child(child) => child.id(),
-            Self::Attached { pid } => *pid,
+            Self::Attached { pid, .. } => *pid,
         }
     }
 
     fn exit_status(&mut self) -> Option<String> {
         match self {
             Self::Child(child) => child.try_wait().ok().flatten().map(|status| status.to_string()),
-            Self::Attached { .. } => None,
+            Self::Attached { stream, .. } => connection_closed(stream).then(|| "attach connection closed".to_owned()),
         }
     }
 
@@ -129,6 +133,13 @@ impl WorkerProcess {
             let _ = child.wait();
         }
     }
+}
+
+/// `timeout` from now, or a year from now when that overflows (a huge configured timeout).
+fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600))
 }
 
 /// Waits that a stopping scheduler can interrupt, with a deadline.
@@ -179,6 +190,7 @@ impl WorkerClient {
         let (server, server_name) =
             IpcOneShotServer::<Bootstrap>::new().map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
         let settings = &launch.assignment;
+        let name = server_name.clone();
         let mut command = Command::new(&launch.binary);
         command
             .arg("--ipc-server")
@@ -208,7 +220,7 @@ impl WorkerClient {
             binary: launch.binary.display().to_string(),
             source,
         })?;
-        Self::handshake(launch, server, WorkerProcess::Child(child), stop)
+        Self::handshake(launch, (server, name), WorkerProcess::Child(child), stop)
     }
 
     /// Takes a worker that connected to the attach socket: reads its hello, answers with the
@@ -219,14 +231,12 @@ impl WorkerClient {
         stop: std::sync::Arc<AtomicBool>,
     ) -> Result<(Self, StepBuffer), WorkerClientError> {
         let attach_error = |e: &dyn std::fmt::Display| WorkerClientError::Attach(e.to_string());
-        stream
-            .set_read_timeout(Some(launch.startup_timeout))
-            .map_err(|e| attach_error(&e))?;
-        let mut line = String::new();
-        BufReader::new(&stream)
-            .read_line(&mut line)
-            .map_err(|e| attach_error(&e))?;
-        let hello: AttachHello = serde_json::from_str(&line).map_err(|e| attach_error(&e))?;
+        let wait = Wait {
+            deadline: deadline_after(launch.startup_timeout),
+            timeout: launch.startup_timeout,
+            stop: &stop,
+        };
+        let hello: AttachHello = read_hello(&stream, &wait)?;
         let mut writer = &stream;
         let mut reply = |reply: &AttachReply| -> Result<(), WorkerClientError> {
             let mut text = serde_json::to_string(reply).map_err(|e| attach_error(&e))?;
@@ -244,21 +254,22 @@ impl WorkerClient {
         let (server, server_name) =
             IpcOneShotServer::<Bootstrap>::new().map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
         let assignment = AttachAssignment {
-            ipc_server: server_name,
+            ipc_server: server_name.clone(),
             ..launch.assignment.clone()
         };
         reply(&AttachReply::Assigned(assignment))?;
-        Self::handshake(launch, server, WorkerProcess::Attached { pid: hello.pid }, stop)
+        let process = WorkerProcess::Attached { pid: hello.pid, stream };
+        Self::handshake(launch, (server, server_name), process, stop)
     }
 
     fn handshake(
         launch: &WorkerLaunch,
-        server: IpcOneShotServer<Bootstrap>,
+        (server, server_name): (IpcOneShotServer<Bootstrap>, String),
         mut process: WorkerProcess,
         stop: std::sync::Arc<AtomicBool>,
     ) -> Result<(Self, StepBuffer), WorkerClientError> {
         let wait = Wait {
-            deadline: Instant::now() + launch.startup_timeout,
+            deadline: deadline_after(launch.startup_timeout),
             timeout: launch.startup_timeout,
             stop: &stop,
         };
@@ -277,6 +288,8 @@ impl WorkerClient {
                 Ok(Err(e)) => return Err(fail_start(&mut process, WorkerClientError::Ipc(e.to_string()))),
                 Err(_) => {
                     if let Err(error) = wait.check(&mut process) {
+                        // Connect once without a message, so the accepting thread returns.
+                        let _ = IpcSender::<Bootstrap>::connect(server_name);
                         return Err(fail_start(&mut process, error));
                     }
                 }
@@ -284,7 +297,11 @@ impl WorkerClient {
         };
         let Bootstrap { commands, events } = bootstrap;
         let ready = match recv_event(&mut process, &events, &wait) {
-            Ok(WorkerEvent::Ready(ready)) => ready,
+            Ok(WorkerEvent::Ready(ready)) if ready.block_size > 0 && ready.max_model_len > 0 => ready,
+            Ok(WorkerEvent::Ready(ready)) => {
+                let error = WorkerClientError::Protocol(format!("a worker without a KV cache: {ready:?}"));
+                return Err(fail_start(&mut process, error));
+            }
             Ok(other) => return Err(startup_failure(&mut process, other)),
             Err(error) => return Err(fail_start(&mut process, error)),
         };
@@ -337,7 +354,7 @@ impl WorkerClient {
             .send(WorkerCommand::Step { step })
             .map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
         let wait = Wait {
-            deadline: Instant::now() + self.step_timeout,
+            deadline: deadline_after(self.step_timeout),
             timeout: self.step_timeout,
             stop: &self.stop_flag,
         };
@@ -391,6 +408,59 @@ impl Drop for WorkerClient {
         let _ = child.kill();
         let _ = child.wait();
     }
+}
+
+/// Whether the peer closed `stream` (a read would return end of file), without blocking. The
+/// worker sends nothing on it after its hello, so any byte read is a protocol error: closed too.
+fn connection_closed(stream: &UnixStream) -> bool {
+    use std::io::Read;
+    if stream.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let mut byte = [0u8; 1];
+    let closed = match (&*stream).read(&mut byte) {
+        Ok(_) => true,
+        Err(error) => error.kind() != std::io::ErrorKind::WouldBlock,
+    };
+    let _ = stream.set_nonblocking(false);
+    closed
+}
+
+/// Reads the worker's hello line, checking between short waits that the scheduler still wants it.
+fn read_hello(stream: &UnixStream, wait: &Wait<'_>) -> Result<AttachHello, WorkerClientError> {
+    let attach_error = |e: &dyn std::fmt::Display| WorkerClientError::Attach(e.to_string());
+    stream
+        .set_read_timeout(Some(LIVENESS_POLL))
+        .map_err(|e| attach_error(&e))?;
+    let mut reader = BufReader::new(stream);
+    let mut line = Vec::new();
+    loop {
+        match reader.read_until(b'\n', &mut line) {
+            Ok(0) => return Err(WorkerClientError::Attach("closed before saying hello".to_owned())),
+            Ok(_) if line.ends_with(b"\n") => break,
+            Ok(_) if line.len() > MAX_HELLO_BYTES => {
+                return Err(WorkerClientError::Attach(format!(
+                    "a hello longer than {MAX_HELLO_BYTES} bytes"
+                )))
+            }
+            Ok(_) => {}
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                if wait.stop.load(Ordering::Acquire) {
+                    return Err(WorkerClientError::Stopped);
+                }
+                if Instant::now() >= wait.deadline {
+                    return Err(WorkerClientError::Timeout(wait.timeout));
+                }
+            }
+            Err(error) => return Err(attach_error(&error)),
+        }
+    }
+    serde_json::from_slice(&line).map_err(|e| attach_error(&e))
 }
 
 /// The `rivulet-worker` binary: configured, else the one next to this executable.

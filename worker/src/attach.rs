@@ -16,8 +16,10 @@ use crate::service::WorkerOptions;
 /// How long the scheduler may take to answer the registration.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Registers on the attach socket at `path`; returns the assignment the scheduler gave.
-pub fn register(path: &Path, device: &str) -> Result<AttachAssignment, WorkerError> {
+/// Registers on the attach socket at `path`; returns the assignment the scheduler gave and the
+/// connection, which the worker keeps open for as long as it lives: the scheduler sees it close
+/// when the worker exits, however it exits.
+pub fn register(path: &Path, device: &str) -> Result<(AttachAssignment, UnixStream), WorkerError> {
     let attach_error = |what: &str, error: &dyn std::fmt::Display| {
         WorkerError::Ipc(format!("attach socket {}: {what}: {error}", path.display()))
     };
@@ -40,7 +42,7 @@ pub fn register(path: &Path, device: &str) -> Result<AttachAssignment, WorkerErr
         .read_line(&mut reply)
         .map_err(|e| attach_error("receive", &e))?;
     match serde_json::from_str::<AttachReply>(&reply).map_err(|e| attach_error("decode reply", &e))? {
-        AttachReply::Assigned(assignment) => Ok(assignment),
+        AttachReply::Assigned(assignment) => Ok((assignment, stream)),
         AttachReply::Refused { reason } => Err(WorkerError::Ipc(format!(
             "the scheduler at {} refused this worker: {reason}",
             path.display()

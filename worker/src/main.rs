@@ -55,9 +55,12 @@ fn main() -> anyhow::Result<()> {
     if !rivulet_worker::malloc_tuning::keep_freed_memory() {
         tracing::warn!("could not tune malloc thresholds; steps may page-fault more");
     }
+    // An attached worker holds its registration connection until it exits.
+    let mut _attach_connection = None;
     let (options, server_name) = match (&args.attach, args.ipc_server) {
         (Some(socket), _) => {
-            let assignment = rivulet_worker::attach::register(socket, &args.device)?;
+            let (assignment, connection) = rivulet_worker::attach::register(socket, &args.device)?;
+            _attach_connection = Some(connection);
             tracing::info!(socket = %socket.display(), model = %assignment.model.display(), "attached to the scheduler");
             let options = rivulet_worker::attach::options(&assignment, args.device, args.threads);
             (options, assignment.ipc_server)

@@ -7,6 +7,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// How often the listener looks for a new connection (a worker's attach is not latency-bound).
+const ACCEPT_POLL: Duration = Duration::from_millis(100);
 
 /// Listens until dropped; dropping it removes the socket file.
 pub struct AttachListener {
@@ -16,11 +20,17 @@ pub struct AttachListener {
 }
 
 impl AttachListener {
-    /// Binds `path` (replacing a stale socket file left by an earlier run) and passes every
-    /// connection to `on_connection`.
+    /// Binds `path` (replacing a stale socket file left by an earlier run, never one that a live
+    /// scheduler listens on) and passes every connection to `on_connection`.
     pub fn bind(path: &Path, on_connection: impl Fn(UnixStream) + Send + 'static) -> io::Result<Self> {
         if let Some(dir) = path.parent().filter(|dir| !dir.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir)?;
+        }
+        if UnixStream::connect(path).is_ok() {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                "another process is listening on it",
+            ));
         }
         match std::fs::remove_file(path) {
             Ok(()) => {}
@@ -28,18 +38,26 @@ impl AttachListener {
             Err(error) => return Err(error),
         }
         let listener = UnixListener::bind(path)?;
+        // Polled, so that stopping never depends on waking a blocked accept.
+        listener.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
         let stopping = stop.clone();
         let thread = std::thread::Builder::new()
             .name("attach-listener".to_owned())
             .spawn(move || {
-                for connection in listener.incoming() {
-                    if stopping.load(Ordering::Acquire) {
-                        break;
-                    }
-                    match connection {
-                        Ok(stream) => on_connection(stream),
-                        Err(error) => tracing::warn!(%error, "attach socket: accept failed"),
+                while !stopping.load(Ordering::Acquire) {
+                    match listener.accept() {
+                        Ok((stream, _)) => match stream.set_nonblocking(false) {
+                            Ok(()) => on_connection(stream),
+                            Err(error) => tracing::warn!(%error, "attach socket: connection unusable"),
+                        },
+                        Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(ACCEPT_POLL);
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "attach socket: accept failed");
+                            std::thread::sleep(ACCEPT_POLL);
+                        }
                     }
                 }
             })?;
@@ -55,8 +73,6 @@ impl AttachListener {
 impl Drop for AttachListener {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // Wake the blocking accept so the thread sees the flag.
-        let _ = UnixStream::connect(&self.path);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }

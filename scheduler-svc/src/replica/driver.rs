@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rivulet_ipc::{ReadyInfo, StepBuffer};
 
@@ -26,8 +26,13 @@ const IDLE_LIVENESS_POLL: Duration = Duration::from_millis(250);
 
 /// Engine → driver. The step buffer travels boxed: its mapping handle is a few hundred bytes.
 pub enum DriverCommand {
-    /// Run the step whose inputs are in `buffer`.
-    RunStep { step: u64, buffer: Box<StepBuffer> },
+    /// Run the step whose inputs are in `buffer`, on the worker of `incarnation` (a step meant
+    /// for an earlier worker process is dropped, never run on its successor).
+    RunStep {
+        incarnation: u64,
+        step: u64,
+        buffer: Box<StepBuffer>,
+    },
 }
 
 /// Driver → engine, about one worker process of the replica (`incarnation` counts them).
@@ -65,6 +70,9 @@ pub enum WorkerSource {
     Attached(UnixStream),
 }
 
+/// How a driver reaches the engine.
+type Notify = Arc<dyn Fn(ReplicaMessage) + Send + Sync>;
+
 /// The engine's end of a driver.
 pub struct DriverHandle {
     commands: Option<Sender<DriverCommand>>,
@@ -78,7 +86,7 @@ impl DriverHandle {
         id: ReplicaId,
         source: WorkerSource,
         launch: WorkerLaunch,
-        notify: impl Fn(ReplicaMessage) + Send + 'static,
+        notify: impl Fn(ReplicaMessage) + Send + Sync + 'static,
     ) -> std::io::Result<Self> {
         let (commands, command_rx) = mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
@@ -87,7 +95,7 @@ impl DriverHandle {
             launch,
             commands: command_rx,
             stop: stop.clone(),
-            notify: Box::new(notify),
+            notify: Arc::new(notify),
             incarnation: 0,
         };
         let thread = std::thread::Builder::new()
@@ -100,14 +108,17 @@ impl DriverHandle {
         })
     }
 
-    /// Hands the step buffer to the driver to run `step`; gives it back if the driver is gone.
-    pub fn run_step(&self, step: u64, buffer: Box<StepBuffer>) -> Result<(), Box<StepBuffer>> {
-        let Some(commands) = &self.commands else {
-            return Err(buffer);
-        };
-        commands
-            .send(DriverCommand::RunStep { step, buffer })
-            .map_err(|mpsc::SendError(DriverCommand::RunStep { buffer, .. })| buffer)
+    /// Hands the step buffer to the driver to run `step`; false if the driver is gone.
+    pub fn run_step(&self, incarnation: u64, step: u64, buffer: Box<StepBuffer>) -> bool {
+        self.commands.as_ref().is_some_and(|commands| {
+            commands
+                .send(DriverCommand::RunStep {
+                    incarnation,
+                    step,
+                    buffer,
+                })
+                .is_ok()
+        })
     }
 
     /// Tells the driver to let its worker go (it is asked to exit) and end, without waiting.
@@ -130,12 +141,39 @@ struct Driver {
     launch: WorkerLaunch,
     commands: Receiver<DriverCommand>,
     stop: Arc<AtomicBool>,
-    notify: Box<dyn Fn(ReplicaMessage) + Send>,
+    notify: Notify,
     incarnation: u64,
+}
+
+/// Tells the engine that the driver ended, however it ended (a panic included), so that the
+/// engine never waits for a replica nobody drives.
+struct ExitNotice {
+    notify: Notify,
+    replica: ReplicaId,
+    incarnation: u64,
+}
+
+impl Drop for ExitNotice {
+    fn drop(&mut self) {
+        (self.notify)(ReplicaMessage {
+            replica: self.replica,
+            incarnation: self.incarnation,
+            event: ReplicaEvent::Exited,
+        });
+    }
 }
 
 impl Driver {
     fn run(mut self, source: WorkerSource) {
+        let mut notice = ExitNotice {
+            notify: self.notify.clone(),
+            replica: self.id,
+            incarnation: 0,
+        };
+        self.run_incarnations(source, &mut notice);
+    }
+
+    fn run_incarnations(&mut self, source: WorkerSource, notice: &mut ExitNotice) {
         let mut attached = match source {
             WorkerSource::Spawn => None,
             WorkerSource::Attached(stream) => Some(stream),
@@ -144,6 +182,7 @@ impl Driver {
         let mut backoff = FIRST_BACKOFF;
         loop {
             self.incarnation += 1;
+            notice.incarnation = self.incarnation;
             self.send(ReplicaEvent::Starting);
             let started = match attached.take() {
                 Some(stream) => WorkerClient::attach(stream, &self.launch, self.stop.clone()),
@@ -179,14 +218,27 @@ impl Driver {
             if !restarts || stopping {
                 break;
             }
-            // Back-off that a stopping engine interrupts (it drops its sender).
-            match self.commands.recv_timeout(backoff) {
-                Err(RecvTimeoutError::Disconnected) => break,
-                Ok(_) | Err(RecvTimeoutError::Timeout) => {}
+            if !self.back_off(backoff) {
+                break;
             }
             backoff = (backoff * 2).min(MAX_BACKOFF);
         }
-        self.send(ReplicaEvent::Exited);
+    }
+
+    /// Waits `duration` before the next worker process; false if the engine stopped the driver
+    /// meanwhile (it drops its sender). Steps still addressed to the lost worker are dropped.
+    fn back_off(&self, duration: Duration) -> bool {
+        let deadline = Instant::now() + duration;
+        loop {
+            match self
+                .commands
+                .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            {
+                Err(RecvTimeoutError::Disconnected) => return false,
+                Err(RecvTimeoutError::Timeout) => return true,
+                Ok(DriverCommand::RunStep { .. }) => {}
+            }
+        }
     }
 
     /// Runs steps until the engine lets go (the worker is then shut down cleanly) or the worker
@@ -195,7 +247,12 @@ impl Driver {
         let mut stepped = false;
         loop {
             let (step, buffer) = match self.commands.recv_timeout(IDLE_LIVENESS_POLL) {
-                Ok(DriverCommand::RunStep { step, buffer }) => (step, buffer),
+                Ok(DriverCommand::RunStep {
+                    incarnation,
+                    step,
+                    buffer,
+                }) if incarnation == self.incarnation => (step, buffer),
+                Ok(DriverCommand::RunStep { .. }) => continue,
                 Err(RecvTimeoutError::Disconnected) => return Served::Released,
                 Err(RecvTimeoutError::Timeout) => match client.check_alive() {
                     Ok(()) => continue,

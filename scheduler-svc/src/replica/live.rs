@@ -72,6 +72,17 @@ impl LiveReplica {
         self.running.len() + self.waiting.len()
     }
 
+    /// Tokens its KV cache holds.
+    pub fn capacity_tokens(&self) -> usize {
+        self.ready.num_blocks as usize * self.ready.block_size as usize
+    }
+
+    /// Whether its KV cache could hold `seq` to its end (alone, if need be).
+    pub fn can_ever_hold(&self, seq: &Sequence) -> bool {
+        let remaining = (seq.request.stopping.max_new_tokens as usize).saturating_sub(seq.num_generated());
+        seq.tokens.len() + remaining <= self.capacity_tokens()
+    }
+
     /// KV blocks left once its waiting sequences got theirs: the routing measure of room.
     pub fn room_after_queue(&self) -> i64 {
         let queued: i64 = self
@@ -97,7 +108,7 @@ impl LiveReplica {
         if plan.seqs.is_empty() {
             // Nothing fits even alone (a cache smaller than validation assumed): never spin on it.
             if let Some(seq) = self.waiting.pop_front() {
-                let capacity = self.ready.num_blocks as usize * self.ready.block_size as usize;
+                let capacity = self.capacity_tokens();
                 let _ = seq
                     .events
                     .send(SequenceEvent::Failed(EngineError::WorkerUnavailable(format!(
@@ -126,12 +137,6 @@ impl LiveReplica {
         Some((self.last_step, buffer))
     }
 
-    /// The driver could not take the step (it is gone): keep the buffer, forget the step.
-    pub fn cancel_step(&mut self, buffer: Box<StepBuffer>) {
-        self.buffer = Some(buffer);
-        self.in_flight = None;
-    }
-
     /// Applies the outputs of a step the worker finished.
     pub fn finish_step(
         &mut self,
@@ -146,9 +151,11 @@ impl LiveReplica {
             eos_token_ids: &self.ready.eos_token_ids,
             max_model_len: self.ready.max_model_len as usize,
         };
-        let in_flight = self.in_flight.take();
         let returned = Instant::now();
-        if let Some(in_flight) = in_flight.filter(|f| f.step == step) {
+        let Some(in_flight) = self.in_flight.take_if(|f| f.step == step) else {
+            return; // not this incarnation's step: its buffer is not ours
+        };
+        {
             let generated = apply_outputs(&mut self.running, &mut self.blocks, &in_flight.plan, &buffer, &context);
             stats.record_tokens(generated);
             stats.record_step(
