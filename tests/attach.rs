@@ -2,7 +2,8 @@
 //! the scheduler's socket: a scheduler without workers is NOT_SERVING and queues requests; an
 //! attached worker makes it SERVING and serves them; a second attaches while requests stream;
 //! draining the first loses nothing and its process exits; killing the last makes health
-//! NOT_SERVING, and a new attach serves again.
+//! NOT_SERVING, and a new attach serves again. With no worker at all, a request waits
+//! `scheduler.no_worker_timeout_secs` and then ends with UNAVAILABLE.
 
 mod common;
 
@@ -170,4 +171,29 @@ async fn attached_workers_join_drain_and_leave_while_serving() {
     assert!(!socket.exists(), "the attach socket is removed");
     let left: Vec<_> = shm_segments().difference(&segments_before).cloned().collect();
     assert!(left.is_empty(), "shared memory left behind: {left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn with_no_worker_requests_wait_then_end_with_unavailable() {
+    let socket = std::env::temp_dir().join(format!("rivulet-no-worker-test-{}.sock", std::process::id()));
+    let socket_text = socket.display().to_string();
+    let server = TestServer::start_without_waiting_for_workers(&[
+        ("RIVULET_WORKER__REPLICAS", "0"),
+        ("RIVULET_WORKER__ATTACH_SOCKET", &socket_text),
+        ("RIVULET_SCHEDULER__NO_WORKER_TIMEOUT_SECS", "2"),
+    ]);
+    assert_eq!(server.health().await, ServingStatus::NotServing);
+    let mut client = server.client().await;
+    let started = std::time::Instant::now();
+    let status = stream_tokens(&mut client, greedy_request("Hello", 4))
+        .await
+        .expect_err("no worker ever attached");
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1900) && waited < Duration::from_secs(30),
+        "it waited for a worker for the timeout, then ended: {waited:?}"
+    );
+    let stats = server.stats().await;
+    assert_eq!((stats.num_waiting, stats.replicas.len()), (0, 0), "{stats:?}");
 }
