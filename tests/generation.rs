@@ -239,3 +239,50 @@ async fn bad_input_is_invalid_argument_naming_the_field_and_the_server_keeps_ser
         .into_inner();
     assert_eq!(response.token_ids.len(), 4);
 }
+
+/// The services a server reflection client of protocol `$version` lists.
+macro_rules! reflected_services {
+    ($version:ident, $address:expr) => {{
+        use tonic_reflection::pb::$version::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::$version::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::$version::server_reflection_response::MessageResponse;
+        use tonic_reflection::pb::$version::ServerReflectionRequest;
+        let channel = tonic::transport::Channel::from_shared(format!("http://{}", $address))
+            .expect("address")
+            .connect()
+            .await
+            .expect("connect reflection");
+        let mut client = ServerReflectionClient::new(channel);
+        let request = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut responses = client
+            .server_reflection_info(tokio_stream::once(request))
+            .await
+            .expect("reflection call")
+            .into_inner();
+        let response = responses.next().await.expect("an answer").expect("ok");
+        match response.message_response {
+            Some(MessageResponse::ListServicesResponse(list)) => {
+                list.service.into_iter().map(|s| s.name).collect::<Vec<String>>()
+            }
+            other => panic!("not a service list: {other:?}"),
+        }
+    }};
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn reflection_v1_and_v1alpha_both_list_the_services() {
+    let server = shared_server();
+    let v1 = reflected_services!(v1, server.address);
+    let v1alpha = reflected_services!(v1alpha, server.address);
+    for services in [&v1, &v1alpha] {
+        for expected in ["rivulet.v1.Generation", "rivulet.v1.Admin", "grpc.health.v1.Health"] {
+            assert!(
+                services.iter().any(|s| s == expected),
+                "{expected} missing from {services:?}"
+            );
+        }
+    }
+}

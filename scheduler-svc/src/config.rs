@@ -153,9 +153,29 @@ impl Default for Config {
     }
 }
 
+/// Settings given on the command line: they win over the file and the environment.
+#[derive(Debug, Default, Clone)]
+pub struct Overrides(Vec<(&'static str, figment::value::Value)>);
+
+impl Overrides {
+    /// Sets `key` (a dotted path such as `worker.replicas`) when `value` is given.
+    pub fn set<T: Serialize>(mut self, key: &'static str, value: Option<T>) -> Result<Self, ConfigError> {
+        if let Some(value) = value {
+            let value = figment::value::Value::serialize(value).map_err(Box::new)?;
+            self.0.push((key, value));
+        }
+        Ok(self)
+    }
+}
+
 impl Config {
     /// Defaults ← the TOML file (when it exists) ← `RIVULET_*` environment.
     pub fn load(toml_path: Option<&std::path::Path>) -> Result<Self, ConfigError> {
+        Self::load_with(toml_path, Overrides::default())
+    }
+
+    /// Defaults ← the TOML file (when it exists) ← `RIVULET_*` environment ← `overrides`.
+    pub fn load_with(toml_path: Option<&std::path::Path>, overrides: Overrides) -> Result<Self, ConfigError> {
         let path = toml_path.map(PathBuf::from).unwrap_or_else(|| {
             std::env::var_os("RIVULET_CONFIG")
                 .map(PathBuf::from)
@@ -164,6 +184,9 @@ impl Config {
         let figment = Figment::from(Serialized::defaults(Config::default()))
             .merge(Toml::file(path))
             .merge(Env::prefixed("RIVULET_").ignore(&["CONFIG"]).split("__"));
+        let figment = overrides.0.into_iter().fold(figment, |figment, (key, value)| {
+            figment.merge(Serialized::default(key, value))
+        });
         let config: Config = figment.extract().map_err(Box::new)?;
         config.validate()?;
         Ok(config)
@@ -262,6 +285,17 @@ mod tests {
             assert!(err.contains("worker.replicas"), "{err}");
             jail.set_env("RIVULET_WORKER__ATTACH_SOCKET", "/tmp/rivulet-workers.sock");
             assert_eq!(Config::load(None).map_err(|e| e.to_string())?.worker.replicas, 0);
+
+            // Command-line flags win over the environment and the file.
+            let flags = Overrides::default()
+                .set("worker.replicas", Some(3u32))
+                .and_then(|o| o.set("scheduler.max_num_seqs", None::<u32>))
+                .and_then(|o| o.set("model.path", Some(PathBuf::from("other.gguf"))))
+                .map_err(|e| e.to_string())?;
+            let config = Config::load_with(None, flags).map_err(|e| e.to_string())?;
+            assert_eq!(config.worker.replicas, 3);
+            assert_eq!(config.scheduler.max_num_seqs, 8, "an absent flag changes nothing");
+            assert_eq!(config.model.path, PathBuf::from("other.gguf"));
             Ok(())
         });
     }

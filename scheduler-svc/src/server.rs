@@ -1,5 +1,5 @@
 //! Assembling and running the gRPC server: the Generation service, the standard health service and
-//! server reflection, with graceful shutdown on SIGINT/SIGTERM. The port opens at once; health
+//! server reflection (v1 and v1alpha), with graceful shutdown on SIGINT/SIGTERM. The port opens at once; health
 //! says `SERVING` only while some worker replica is ready (requests queue meanwhile).
 
 use std::sync::Arc;
@@ -29,10 +29,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     set_health(&health_reporter, false).await;
     tokio::spawn(follow_engine_health(engine.clone(), health_reporter.clone()));
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
+    // Both reflection versions: grpcurl speaks v1, grpcio-reflection's client v1alpha.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection().build_v1()?;
+    let reflection_v1alpha = reflection().build_v1alpha()?;
 
     let listener = tokio::net::TcpListener::bind(config.server.listen).await?;
     let address = listener.local_addr()?;
@@ -56,7 +60,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     };
     Server::builder()
         .add_service(health_service)
-        .add_service(reflection)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
         .add_service(GenerationServer::new(generation))
         .add_service(AdminServer::new(admin))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
