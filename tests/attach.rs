@@ -15,7 +15,7 @@ use common::{
     assert_no_blocks_held, binary, finish_streams, greedy_request, reference_tokens, shm_segments, signal,
     start_streams, stream_tokens, wait_until, TestServer,
 };
-use rivulet::proto::{DrainWorkerRequest, ReplicaState};
+use rivulet::proto::DrainWorkerRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 
 const TOKENS: u32 = 32;
@@ -98,13 +98,7 @@ async fn attached_workers_join_drain_and_leave_while_serving() {
     let streams = start_streams(&client, requests).await;
     let mut second = attach_worker(&socket);
     wait_until(Duration::from_secs(300), "the second worker ready", || async {
-        let stats = server.stats().await;
-        stats
-            .replicas
-            .iter()
-            .filter(|r| r.state == ReplicaState::Ready as i32)
-            .count()
-            == 2
+        server.stats().await.num_replicas_ready == 2
     })
     .await;
     let stats = server.stats().await;

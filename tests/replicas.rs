@@ -14,7 +14,7 @@ use common::{
 };
 use futures::future::join_all;
 use rivulet::proto::generation_client::GenerationClient;
-use rivulet::proto::{GetStatsResponse, ReplicaState};
+use rivulet::proto::GetStatsResponse;
 use tonic::transport::Channel;
 
 /// Tokens of each concurrent request; the disturbed streams run twice as long, so that they are
@@ -44,15 +44,6 @@ fn prompts() -> Vec<String> {
     .iter()
     .map(|p| (*p).to_owned())
     .collect()
-}
-
-async fn ready_replicas(server: &TestServer) -> usize {
-    let stats = server.stats().await;
-    stats
-        .replicas
-        .iter()
-        .filter(|r| r.state == ReplicaState::Ready as i32)
-        .count()
 }
 
 /// Starts one stream per prompt, waits until each has its first message, then sends `sig` to the
@@ -96,7 +87,7 @@ async fn two_replicas_serve_the_reference_and_lose_nothing_when_one_dies_or_hang
     let reference = reference_tokens(&prompts, DISTURBED_TOKENS).await;
     let client = server.client().await;
     common::wait_until(Duration::from_secs(300), "both replicas ready", || async {
-        ready_replicas(&server).await == 2
+        server.stats().await.num_replicas_ready == 2
     })
     .await;
 
@@ -130,7 +121,7 @@ async fn two_replicas_serve_the_reference_and_lose_nothing_when_one_dies_or_hang
 
     // SIGSTOP (a hang): the step deadline declares it dead, it is killed and replaced.
     common::wait_until(Duration::from_secs(300), "both replicas ready again", || async {
-        ready_replicas(&server).await == 2
+        server.stats().await.num_replicas_ready == 2
     })
     .await;
     let outputs = streams_through(&server, &client, &prompts[8..], "STOP").await;

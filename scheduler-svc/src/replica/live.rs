@@ -146,24 +146,22 @@ impl LiveReplica {
         tokenizer: &ModelTokenizer,
         stats: &mut EngineStats,
     ) {
+        let returned = Instant::now();
+        let Some(in_flight) = self.in_flight.take_if(|f| f.step == step) else {
+            return; // not this incarnation's step: its buffer is not ours
+        };
         let context = OutputContext {
             tokenizer,
             eos_token_ids: &self.ready.eos_token_ids,
             max_model_len: self.ready.max_model_len as usize,
         };
-        let returned = Instant::now();
-        let Some(in_flight) = self.in_flight.take_if(|f| f.step == step) else {
-            return; // not this incarnation's step: its buffer is not ours
-        };
-        {
-            let generated = apply_outputs(&mut self.running, &mut self.blocks, &in_flight.plan, &buffer, &context);
-            stats.record_tokens(generated);
-            stats.record_step(
-                in_flight.started.elapsed(),
-                timing.worker,
-                in_flight.planned + returned.elapsed(),
-            );
-        }
+        let generated = apply_outputs(&mut self.running, &mut self.blocks, &in_flight.plan, &buffer, &context);
+        stats.record_tokens(generated);
+        stats.record_step(
+            in_flight.started.elapsed(),
+            timing.worker,
+            in_flight.planned + returned.elapsed(),
+        );
         self.buffer = Some(buffer);
     }
 
