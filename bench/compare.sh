@@ -46,7 +46,7 @@ for clients in $CONCURRENCY; do
         --random-output-len "$OUTPUT_LEN" --max-concurrency "$clients" --ignore-eos --no-progress "${EXTRA[@]}")
     for round in $(seq 1 "$ROUNDS"); do
         echo "== concurrency $clients, round $round/$ROUNDS"
-        "$BENCH" "${common[@]}" --seed "$round" --backend rivulet --url "http://127.0.0.1:$RIVULET_PORT" \
+        "$BENCH" "${common[@]}" --seed "$round" --backend rivulet --url "http://127.0.0.1:$RIVULET_PORT" --admin-url "$(admin_url "$RIVULET_PORT")" \
             --label "rivulet c=$clients" --json "$OUT/rivulet-c$clients.jsonl" | grep -E "Output token|P50 T|Failed|Rivulet steps|first error"
         "$BENCH" "${common[@]}" --seed "$round" --backend openai --url "http://127.0.0.1:$PEER_PORT" \
             --label "llama-server c=$clients" --json "$OUT/peer-c$clients.jsonl" | grep -E "Output token|P50 T|Failed|first error"

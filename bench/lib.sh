@@ -29,11 +29,17 @@ wait_for_port() {
     exit 1
 }
 
+# Rivulet started on gRPC port PORT has its Admin service on PORT+100 and its HTTP front on PORT+200.
+admin_url() { echo "http://127.0.0.1:$(($1 + 100))"; }
+http_url() { echo "http://127.0.0.1:$(($1 + 200))"; }
+
 # start_rivulet PORT LOG [VAR=VALUE...]: Rivulet on the default model, configured by RIVULET_* vars.
 start_rivulet() {
     local port=$1 log=$2
     shift 2
-    env "$@" RIVULET_SERVER__LISTEN="127.0.0.1:$port" "$ROOT/target/release/rivulet-scheduler" >"$log" 2>&1 &
+    env "$@" RIVULET_SERVER__LISTEN="127.0.0.1:$port" RIVULET_SERVER__ADMIN_LISTEN="127.0.0.1:$((port + 100))" \
+        RIVULET_SERVER__HTTP_LISTEN="127.0.0.1:$((port + 200))" \
+        "$ROOT/target/release/rivulet-scheduler" >"$log" 2>&1 &
     SERVER_PIDS+=($!)
     wait_for_port "$port" "rivulet-scheduler"
     # The port opens at once; wait until every spawned worker replica is ready.
@@ -41,7 +47,7 @@ start_rivulet() {
     for assignment in "$@"; do
         [[ "$assignment" == RIVULET_WORKER__REPLICAS=* ]] && replicas="${assignment#*=}"
     done
-    "$BENCH" wait-ready --url "http://127.0.0.1:$port" --replicas "$replicas"
+    "$BENCH" wait-ready --admin-url "$(admin_url "$port")" --replicas "$replicas"
 }
 
 # start_llama_server PORT SLOTS CONTEXT_PER_SLOT LOG: llama.cpp's server with SLOTS parallel slots.

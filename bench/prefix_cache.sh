@@ -42,9 +42,9 @@ common=(run --dataset shared-prefix --num-prompts "$PROMPTS" --num-prefix-groups
 for round in $(seq 1 "$ROUNDS"); do
     echo "== round $round/$ROUNDS"
     # A new seed each round: new prefixes, so the cached server starts each round cold.
-    "$BENCH" "${common[@]}" --seed "$round" --url http://127.0.0.1:50152 --label "prefix cache" \
+    "$BENCH" "${common[@]}" --seed "$round" --url http://127.0.0.1:50152 --admin-url "$(admin_url 50152)" --label "prefix cache" \
         --json "$OUT/cache.jsonl" | grep -E "Output token|P50 TTFT|Failed|first error"
-    "$BENCH" "${common[@]}" --seed "$round" --url http://127.0.0.1:50153 --label "no prefix cache" \
+    "$BENCH" "${common[@]}" --seed "$round" --url http://127.0.0.1:50153 --admin-url "$(admin_url 50153)" --label "no prefix cache" \
         --json "$OUT/no-cache.jsonl" | grep -E "Output token|P50 TTFT|Failed|first error"
 done
 echo

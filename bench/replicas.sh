@@ -39,9 +39,9 @@ common=(run --dataset random --num-prompts "$PROMPTS" --random-input-len "$INPUT
     --random-output-len "$OUTPUT_LEN" --max-concurrency "$CLIENTS" --ignore-eos --no-progress)
 for round in $(seq 1 "$ROUNDS"); do
     echo "== round $round/$ROUNDS"
-    "$BENCH" "${common[@]}" --seed "$round" --url http://127.0.0.1:50154 --label "1 replica" \
+    "$BENCH" "${common[@]}" --seed "$round" --url http://127.0.0.1:50154 --admin-url "$(admin_url 50154)" --label "1 replica" \
         --json "$OUT/one.jsonl" | grep -E "Output token|P50 T|Failed|first error"
-    "$BENCH" "${common[@]}" --seed "$round" --url http://127.0.0.1:50155 --label "$REPLICAS replicas" \
+    "$BENCH" "${common[@]}" --seed "$round" --url http://127.0.0.1:50155 --admin-url "$(admin_url 50155)" --label "$REPLICAS replicas" \
         --json "$OUT/many.jsonl" | grep -E "Output token|P50 T|Failed|first error"
 done
 echo

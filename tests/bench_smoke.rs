@@ -45,10 +45,13 @@ fn scratch_dir(name: &str) -> std::path::PathBuf {
 fn random_workload_against_rivulet_counts_every_token() {
     let server = common::shared_server();
     let url = format!("http://{}", server.address);
+    let admin_url = format!("http://{}", server.admin_address);
     let record = bench_run(
         &[
             "--url",
             &url,
+            "--admin-url",
+            &admin_url,
             "--num-prompts",
             "6",
             "--max-concurrency",

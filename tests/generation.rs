@@ -277,12 +277,19 @@ async fn reflection_v1_and_v1alpha_both_list_the_services() {
     let server = shared_server();
     let v1 = reflected_services!(v1, server.address);
     let v1alpha = reflected_services!(v1alpha, server.address);
-    for services in [&v1, &v1alpha] {
-        for expected in ["rivulet.v1.Generation", "rivulet.v1.Admin", "grpc.health.v1.Health"] {
-            assert!(
-                services.iter().any(|s| s == expected),
-                "{expected} missing from {services:?}"
-            );
-        }
+    let admin_v1 = reflected_services!(v1, server.admin_address);
+    let admin_v1alpha = reflected_services!(v1alpha, server.admin_address);
+    // Each listener lists exactly what it serves: the Admin service only on its own listener.
+    for (services, expected) in [
+        (&v1, "rivulet.v1.Generation"),
+        (&v1alpha, "rivulet.v1.Generation"),
+        (&admin_v1, "rivulet.v1.Admin"),
+        (&admin_v1alpha, "rivulet.v1.Admin"),
+    ] {
+        let mut sorted = services.clone();
+        sorted.sort();
+        let mut want = vec![expected.to_owned(), "grpc.health.v1.Health".to_owned()];
+        want.sort();
+        assert_eq!(sorted, want);
     }
 }

@@ -5,7 +5,7 @@
 //! rivulet-bench run --backend rivulet --url http://127.0.0.1:50051 --num-prompts 64 --max-concurrency 8 --ignore-eos
 //! rivulet-bench run --backend openai --url http://127.0.0.1:8080 --num-prompts 64 --max-concurrency 8 --ignore-eos
 //! rivulet-bench compare --left rivulet=a.jsonl --right llama-server=b.jsonl
-//! rivulet-bench wait-ready --url http://127.0.0.1:50051 --replicas 2
+//! rivulet-bench wait-ready --admin-url http://127.0.0.1:50052 --replicas 2
 //! ```
 
 mod arrivals;
@@ -74,9 +74,13 @@ struct RunArgs {
     /// Server address; defaults to http://127.0.0.1:50051 (rivulet) or http://127.0.0.1:8080 (openai).
     #[arg(long)]
     url: Option<String>,
-    /// The `model` field of OpenAI requests.
-    #[arg(long, default_value = "default")]
-    model_name: String,
+    /// Rivulet's Admin address (server.admin_listen): when given, the run also reports Rivulet's
+    /// own step timings, whichever front it drives.
+    #[arg(long)]
+    admin_url: Option<String>,
+    /// The `model` field of OpenAI requests (left out when not given: the server's own model).
+    #[arg(long)]
+    model_name: Option<String>,
     /// Tokenizer for building prompts and counting their tokens: a GGUF file or a Hugging Face folder.
     #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     tokenizer: PathBuf,
@@ -155,11 +159,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 .await
                 .with_context(|| format!("connecting to {url}"))?,
         ),
-        BackendKind::Openai => Backend::OpenAi(OpenAiBackend::new(&url, &args.model_name)?),
+        BackendKind::Openai => Backend::OpenAi(OpenAiBackend::new(&url, args.model_name.as_deref())?),
     };
-    let server_before = match args.backend {
-        BackendKind::Rivulet => server_stats::read(&url).await.ok(),
-        BackendKind::Openai => None,
+    let server_before = match &args.admin_url {
+        Some(admin) => server_stats::read(admin).await.ok(),
+        None => None,
     };
     let options = RunOptions {
         arrivals: arrival_offsets(args.request_rate, requests.len(), args.seed),
@@ -169,9 +173,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let (outcomes, duration) = runner::run(&backend, &requests, &options).await;
     let summary = Summary::from_outcomes(&outcomes, duration);
-    let server = match server_before {
-        Some(before) => server_stats::read(&url).await.ok().map(|after| after.since(&before)),
-        None => None,
+    let server = match (server_before, &args.admin_url) {
+        (Some(before), Some(admin)) => server_stats::read(admin).await.ok().map(|after| after.since(&before)),
+        _ => None,
     };
 
     print!("{}", report::table(&args.label, &summary));

@@ -7,8 +7,9 @@ use serde::Serialize;
 
 #[derive(clap::Args, Debug)]
 pub struct WaitReadyArgs {
-    #[arg(long, default_value = "http://127.0.0.1:50051")]
-    url: String,
+    /// Rivulet's Admin address (server.admin_listen).
+    #[arg(long, default_value = "http://127.0.0.1:50052")]
+    admin_url: String,
     /// Ready worker replicas to wait for.
     #[arg(long, default_value_t = 1)]
     replicas: u32,
@@ -21,14 +22,14 @@ pub async fn wait_ready(args: &WaitReadyArgs) -> anyhow::Result<()> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(args.timeout_secs);
     let mut last = String::from("no answer");
     while std::time::Instant::now() < deadline {
-        match stats(&args.url).await {
+        match stats(&args.admin_url).await {
             Ok(stats) if stats.num_replicas_ready >= args.replicas => return Ok(()),
             Ok(stats) => last = format!("{} of {} replicas ready", stats.num_replicas_ready, args.replicas),
             Err(status) => last = status.to_string(),
         }
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
-    anyhow::bail!("{}: not ready after {} s ({last})", args.url, args.timeout_secs)
+    anyhow::bail!("{}: not ready after {} s ({last})", args.admin_url, args.timeout_secs)
 }
 
 async fn stats(url: &str) -> Result<GetStatsResponse, tonic::Status> {

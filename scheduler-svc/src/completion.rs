@@ -38,6 +38,7 @@ mod tests {
     fn sequence(stopping: StoppingParams, generated: &[u32]) -> Sequence {
         let (tx, _rx) = mpsc::unbounded_channel();
         let request = GenerationRequest {
+            id: String::new(),
             prompt_ids: vec![5, 6],
             sampling: SamplingParams::greedy(),
             stopping,

@@ -32,8 +32,19 @@ pub struct Config {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
-    /// gRPC listen address.
+    /// gRPC listen address (Generation, health, reflection).
     pub listen: SocketAddr,
+    /// OpenAI-compatible HTTP listen address (`/v1/...`, `/health`, `/metrics`).
+    pub http_listen: SocketAddr,
+    /// The Admin gRPC service's listen address (with health and reflection). On loopback it is
+    /// open to whoever can reach it; anywhere else it requires `api_key`.
+    pub admin_listen: SocketAddr,
+    /// When set, generation on both fronts requires `Authorization: Bearer <key>`
+    /// (health and metrics stay open).
+    pub api_key: Option<String>,
+    /// The model's name in the APIs (`model` fields, `/v1/models`); default: the model file's
+    /// name without extension (or the model folder's name).
+    pub served_model_name: Option<String>,
     /// Log lines as JSON.
     pub json_logs: bool,
     /// After SIGTERM/SIGINT, how long running requests may take to finish before they are ended.
@@ -115,6 +126,10 @@ impl Default for Config {
         Self {
             server: ServerConfig {
                 listen: SocketAddr::from(([127, 0, 0, 1], 50051)),
+                http_listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
+                admin_listen: SocketAddr::from(([127, 0, 0, 1], 50052)),
+                api_key: None,
+                served_model_name: None,
                 shutdown_timeout_secs: 30,
                 json_logs: false,
             },
@@ -192,6 +207,16 @@ impl Config {
         Ok(config)
     }
 
+    /// The model's name in the APIs: `server.served_model_name`, else the model file's stem.
+    pub fn served_model_name(&self) -> String {
+        if let Some(name) = &self.server.served_model_name {
+            return name.clone();
+        }
+        let path = &self.model.path;
+        let name = if path.is_dir() { path.file_name() } else { path.file_stem() };
+        name.map_or_else(|| "model".to_owned(), |n| n.to_string_lossy().into_owned())
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid = |key, problem: &str| {
             Err(ConfigError::Invalid {
@@ -240,6 +265,15 @@ impl Config {
                 "is 0 and no worker.attach_socket is set: no worker could ever serve",
             );
         }
+        if !self.server.admin_listen.ip().is_loopback() && self.server.api_key.as_deref().unwrap_or("").is_empty() {
+            return invalid(
+                "server.admin_listen",
+                "is not a loopback address, so the Admin service needs server.api_key to be set",
+            );
+        }
+        if self.server.served_model_name.as_deref() == Some("") {
+            return invalid("server.served_model_name", "must not be empty");
+        }
         if self.scheduler.no_worker_timeout_secs == 0 {
             return invalid("scheduler.no_worker_timeout_secs", "must be positive");
         }
@@ -285,6 +319,13 @@ mod tests {
             assert!(err.contains("worker.replicas"), "{err}");
             jail.set_env("RIVULET_WORKER__ATTACH_SOCKET", "/tmp/rivulet-workers.sock");
             assert_eq!(Config::load(None).map_err(|e| e.to_string())?.worker.replicas, 0);
+
+            // Admin beyond loopback only behind the API key.
+            jail.set_env("RIVULET_SERVER__ADMIN_LISTEN", "0.0.0.0:50052");
+            let err = Config::load(None).expect_err("open admin").to_string();
+            assert!(err.contains("server.admin_listen"), "{err}");
+            jail.set_env("RIVULET_SERVER__API_KEY", "k");
+            assert!(Config::load(None).is_ok());
 
             // Command-line flags win over the environment and the file.
             let flags = Overrides::default()

@@ -1,7 +1,9 @@
 //! Rivulet's scheduler service: the gRPC front end and the engine loop that owns tokenization,
 //! queueing, scheduling, paged KV accounting and completion. See `../shared/DESIGN.md`.
 //!
-//! - [`server`] / [`service`]: gRPC (Generation, health, reflection), errors mapped to `Status`.
+//! - [`server`]: assembling the listeners (gRPC, OpenAI-compatible HTTP, admin) and shutdown.
+//! - [`api`]: the fronts (gRPC, HTTP) and what they share: validation, request ids, the API key.
+//! - [`metrics`]: Prometheus metrics under vLLM's names.
 //! - [`engine`]: the single loop that owns all scheduling state, routes requests to replicas and
 //!   plans and applies their steps.
 //! - [`replica`]: one worker process and the state that lives and dies with it; its driver thread.
@@ -10,13 +12,14 @@
 //! - [`completion`], [`detokenizer`], [`tokenizer`]: text in and out.
 //! - [`worker_client`], [`step_writer`]: a worker process and its shared-memory step buffer.
 
-pub mod admin;
+pub mod api;
 pub mod block_manager;
 pub mod chat_template;
 pub mod completion;
 pub mod config;
 pub mod detokenizer;
 pub mod engine;
+pub mod metrics;
 pub mod model_limits;
 pub mod output_text;
 pub mod prefix_cache;
@@ -24,11 +27,9 @@ pub mod queue;
 pub mod queue_ticket;
 pub mod replica;
 pub mod request;
-pub mod sampling_validation;
 pub mod scheduler;
 pub mod sequence;
 pub mod server;
-pub mod service;
 pub mod stats;
 pub mod step_writer;
 pub mod tokenizer;

@@ -1,4 +1,4 @@
-//! `rivulet-scheduler`: the gRPC server. Configuration: `rivulet.toml`, `RIVULET_*` variables and
+//! `rivulet-scheduler`: the gRPC and OpenAI-compatible HTTP server. Configuration: `rivulet.toml`, `RIVULET_*` variables and
 //! the command-line flags for the common settings (`--help`).
 
 use std::net::SocketAddr;
@@ -24,6 +24,19 @@ struct Args {
     /// gRPC listen address [server.listen].
     #[arg(long)]
     listen: Option<SocketAddr>,
+    /// OpenAI-compatible HTTP listen address [server.http_listen].
+    #[arg(long)]
+    http_listen: Option<SocketAddr>,
+    /// Admin gRPC listen address; beyond loopback it needs --api-key [server.admin_listen].
+    #[arg(long)]
+    admin_listen: Option<SocketAddr>,
+    /// The model's name in the APIs (default: the model file's name) [server.served_model_name].
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on both fronts [server.api_key]; prefer the
+    /// RIVULET_SERVER__API_KEY variable, which other users cannot read from the process list.
+    #[arg(long)]
+    api_key: Option<String>,
     /// Model workers spawned as children [worker.replicas].
     #[arg(long)]
     workers: Option<u32>,
@@ -40,6 +53,10 @@ fn main() -> anyhow::Result<()> {
     let overrides = Overrides::default()
         .set("model.path", args.model)?
         .set("server.listen", args.listen)?
+        .set("server.http_listen", args.http_listen)?
+        .set("server.admin_listen", args.admin_listen)?
+        .set("server.served_model_name", args.served_model_name)?
+        .set("server.api_key", args.api_key)?
         .set("worker.replicas", args.workers)?
         .set("worker.device", args.device)?
         .set("worker.attach_socket", args.attach_socket)?;

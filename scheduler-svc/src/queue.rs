@@ -83,6 +83,7 @@ mod tests {
     fn seq(id: u64, priority: Priority) -> Sequence {
         let (tx, _rx) = mpsc::unbounded_channel();
         let request = GenerationRequest {
+            id: String::new(),
             prompt_ids: vec![1],
             sampling: SamplingParams::greedy(),
             stopping: StoppingParams {

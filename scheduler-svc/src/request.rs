@@ -1,5 +1,7 @@
 //! Domain types of a generation request and its results, independent of proto and of libtorch.
 
+use std::time::Duration;
+
 use thiserror::Error;
 
 /// Sampling parameters, validated; defaults are vLLM's.
@@ -91,6 +93,8 @@ impl Priority {
 /// A validated request, tokenized.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerationRequest {
+    /// The client's `x-request-id`, or one the server made up: on every log line about it.
+    pub id: String,
     pub prompt_ids: Vec<u32>,
     pub sampling: SamplingParams,
     pub stopping: StoppingParams,
@@ -131,6 +135,8 @@ pub enum SequenceEvent {
         text: String,
         usage: Usage,
         logprobs: Vec<TokenLogprob>,
+        /// From submission to its first admission into a step.
+        queue_time: Duration,
     },
     /// The last event of a request that could not complete.
     Failed(EngineError),
@@ -151,19 +157,37 @@ pub enum EngineError {
     UnknownReplica(u32),
 }
 
-/// Invalid input, naming the field.
-#[derive(Debug, Clone, PartialEq, Error)]
-#[error("{field}: {problem}")]
-pub struct InvalidRequest {
-    pub field: &'static str,
-    pub problem: String,
+/// How a front reports an [`EngineError`]: each maps these to its protocol's statuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// No worker can serve now (gRPC `UNAVAILABLE`, HTTP 503).
+    Unavailable,
+    /// Too much load; retry later (`RESOURCE_EXHAUSTED`, 429).
+    Overloaded,
+    /// Something named does not exist (`NOT_FOUND`, 404).
+    NotFound,
+    /// A fault of the server (`INTERNAL`, 500).
+    Internal,
 }
 
-impl InvalidRequest {
-    pub fn new(field: &'static str, problem: impl Into<String>) -> Self {
-        Self {
-            field,
-            problem: problem.into(),
+impl EngineError {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            EngineError::WorkerUnavailable(_) | EngineError::ShuttingDown => ErrorKind::Unavailable,
+            EngineError::QueueFull(_) => ErrorKind::Overloaded,
+            EngineError::UnknownReplica(_) => ErrorKind::NotFound,
+            EngineError::Detokenize(_) => ErrorKind::Internal,
+        }
+    }
+
+    /// A short label for metrics and logs.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            EngineError::WorkerUnavailable(_) => "worker_unavailable",
+            EngineError::ShuttingDown => "shutting_down",
+            EngineError::QueueFull(_) => "queue_full",
+            EngineError::Detokenize(_) => "detokenize",
+            EngineError::UnknownReplica(_) => "unknown_replica",
         }
     }
 }

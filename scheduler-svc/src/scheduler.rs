@@ -233,6 +233,9 @@ fn admit(
     }
     // Dropping the ticket gives its queue place back.
     let first_time = seq.queue_ticket.take().is_some();
+    if first_time {
+        seq.queue_time = Some(seq.submitted_at.elapsed());
+    }
     running.push(seq);
     Some((num_tokens, first_time))
 }

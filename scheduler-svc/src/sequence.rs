@@ -1,7 +1,7 @@
 //! A request being served: its tokens, how many of them have KV in the cache, its block table and
 //! the channel its results go to.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -34,6 +34,9 @@ pub struct Sequence {
     pub events: UnboundedSender<SequenceEvent>,
     /// Since when it waits for a replica to take it (none is ready); `None` once routed.
     pub unrouted_since: Option<Instant>,
+    pub submitted_at: Instant,
+    /// From submission to its first admission into a step, once admitted.
+    pub queue_time: Option<Duration>,
 }
 
 impl Sequence {
@@ -62,6 +65,8 @@ impl Sequence {
             detokenizer: IncrementalDetokenizer::default(),
             events,
             unrouted_since: Some(Instant::now()),
+            submitted_at: Instant::now(),
+            queue_time: None,
         }
     }
 

@@ -1,85 +1,171 @@
-//! Assembling and running the gRPC server: the Generation service, the standard health service and
-//! server reflection (v1 and v1alpha), with graceful shutdown on SIGINT/SIGTERM. The port opens at once; health
-//! says `SERVING` only while some worker replica is ready (requests queue meanwhile).
+//! Assembling and running the listeners, all bound at once (before any worker is ready):
+//! - gRPC on `server.listen`: Generation (behind the API key, if set), health, reflection v1 and
+//!   v1alpha;
+//! - OpenAI-compatible HTTP on `server.http_listen` (`/v1/...`, `/health`, `/metrics`);
+//! - Admin on `server.admin_listen` (loopback by default; elsewhere behind the API key), with
+//!   health and reflection so `grpcurl` works there too.
+//!
+//! Health (`SERVING` / 200) follows the engine: true exactly while some worker replica is ready
+//! and the server is not shutting down. SIGINT/SIGTERM start a graceful shutdown of all three.
 
 use std::sync::Arc;
-
+use std::future::IntoFuture;
 use std::time::Duration;
 
 use rivulet::proto;
 use rivulet::proto::admin_server::AdminServer;
 use rivulet::proto::generation_server::GenerationServer;
+use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
 
-use crate::admin::AdminService;
+use crate::api::admin::AdminService;
+use crate::api::auth::ApiKey;
+use crate::api::grpc::GenerationService;
+use crate::api::http::{self, HttpState};
+use crate::api::validation::Validator;
+use crate::api::Frontend;
 use crate::config::Config;
 use crate::engine::{self, EngineHandle};
+use crate::metrics::Metrics;
 use crate::model_limits::ModelLimits;
-use crate::service::GenerationService;
 use crate::tokenizer::ModelTokenizer;
 
-/// Loads the tokenizer, starts the worker and the engine, and serves until a shutdown signal.
+type HealthReporter = tonic_health::server::HealthReporter;
+
+/// Loads the tokenizer, starts the workers and the engine, and serves until a shutdown signal.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     let tokenizer = Arc::new(ModelTokenizer::from_model_path(&config.model.path)?);
-
     let limits = ModelLimits::read(&config.model.path, tokenizer.vocab_size(), config.model.max_model_len)?;
-    let (engine, engine_thread) = engine::start(config.clone(), tokenizer.clone(), limits)?;
+    let served_model_name = config.served_model_name();
+    let metrics = Arc::new(Metrics::new(&served_model_name)?);
+    let (engine, engine_thread) = engine::start(config.clone(), tokenizer.clone(), limits, metrics.clone())?;
+    let front = Frontend {
+        validator: Arc::new(Validator {
+            tokenizer,
+            limits: engine.limits.clone(),
+            served_model_name: served_model_name.clone(),
+            default_max_new_tokens: config.scheduler.default_max_new_tokens,
+            default_stop_strings: config.scheduler.default_stop_strings.clone(),
+        }),
+        engine: engine.clone(),
+        metrics,
+    };
+    let api_key = ApiKey::new(config.server.api_key.as_deref());
 
+    let grpc_listener = TcpListener::bind(config.server.listen).await?;
+    let http_listener = TcpListener::bind(config.server.http_listen).await?;
+    let admin_listener = TcpListener::bind(config.server.admin_listen).await?;
+    let (grpc_address, http_address, admin_address) = (
+        grpc_listener.local_addr()?,
+        http_listener.local_addr()?,
+        admin_listener.local_addr()?,
+    );
+    // On stdout, for scripts and tests that start the server on port 0.
+    println!("rivulet-scheduler listening on {grpc_address}");
+    println!("rivulet-scheduler http listening on {http_address}");
+    println!("rivulet-scheduler admin listening on {admin_address}");
+    tracing::info!(
+        grpc = %grpc_address,
+        http = %http_address,
+        admin = %admin_address,
+        model = %served_model_name,
+        api_key = api_key.is_set(),
+        "listening; workers are loading"
+    );
+
+    let shutdown = CancellationToken::new();
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     set_health(&health_reporter, false).await;
     tokio::spawn(follow_engine_health(engine.clone(), health_reporter.clone()));
-    // Both reflection versions: grpcurl speaks v1, grpcio-reflection's client v1alpha.
-    let reflection = || {
+    tokio::spawn(shut_down_on_signal(
+        shutdown.clone(),
+        engine.clone(),
+        health_reporter,
+        Duration::from_secs(config.server.shutdown_timeout_secs),
+    ));
+
+    // Each listener advertises only the services it serves.
+    let reflection = |service: &str| {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .with_service_name(service)
+            .with_service_name("grpc.health.v1.Health")
     };
-    let reflection_v1 = reflection().build_v1()?;
-    let reflection_v1alpha = reflection().build_v1alpha()?;
-
-    let listener = tokio::net::TcpListener::bind(config.server.listen).await?;
-    let address = listener.local_addr()?;
-    // On stdout, for scripts and tests that start the server on port 0.
-    println!("rivulet-scheduler listening on {address}");
-    tracing::info!(%address, model = %config.model.path.display(), "serving");
-
-    let generation = GenerationService::new(
-        engine.clone(),
-        tokenizer,
-        config.scheduler.default_max_new_tokens,
-        config.scheduler.default_stop_strings.clone(),
-    );
-    let admin = AdminService::new(engine.clone());
-    let shutdown_timeout = Duration::from_secs(config.server.shutdown_timeout_secs);
-    let shutdown = async move {
-        shutdown_signal().await;
-        // Probes see NOT_SERVING at once; the engine refuses new work and bounds the drain.
-        set_health(&health_reporter, false).await;
-        engine.begin_drain(shutdown_timeout);
+    let generation_name = <GenerationServer<GenerationService> as tonic::server::NamedService>::NAME;
+    let admin_name = <AdminServer<AdminService> as tonic::server::NamedService>::NAME;
+    // Both reflection versions: grpcurl speaks v1, grpcio-reflection's client v1alpha.
+    let grpc = Server::builder()
+        .add_service(health_service.clone())
+        .add_service(reflection(generation_name).build_v1()?)
+        .add_service(reflection(generation_name).build_v1alpha()?)
+        .add_service(GenerationServer::with_interceptor(
+            GenerationService::new(front.clone()),
+            api_key.grpc_interceptor(),
+        ))
+        .serve_with_incoming_shutdown(
+            TcpListenerStream::new(grpc_listener),
+            shutdown.clone().cancelled_owned(),
+        );
+    let admin_key = if config.server.admin_listen.ip().is_loopback() {
+        ApiKey::default()
+    } else {
+        api_key.clone()
     };
-    Server::builder()
+    let admin = Server::builder()
         .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha)
-        .add_service(GenerationServer::new(generation))
-        .add_service(AdminServer::new(admin))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
-        .await?;
+        .add_service(reflection(admin_name).build_v1()?)
+        .add_service(reflection(admin_name).build_v1alpha()?)
+        .add_service(AdminServer::with_interceptor(
+            AdminService::new(engine.clone()),
+            admin_key.grpc_interceptor(),
+        ))
+        .serve_with_incoming_shutdown(
+            TcpListenerStream::new(admin_listener),
+            shutdown.clone().cancelled_owned(),
+        );
+    let http_state = HttpState {
+        front,
+        api_key,
+        created: http::generate::unix_seconds(),
+    };
+    let http = axum::serve(http_listener, http::router(http_state))
+        .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+        .into_future();
+    drop(engine);
+    let (grpc, admin, http) = tokio::join!(grpc, admin, http);
+    grpc?;
+    admin?;
+    http?;
 
-    tracing::info!("server stopped; waiting for the engine to finish");
-    // Every engine handle is gone with the services, so the engine stops its worker and exits.
+    tracing::info!("servers stopped; waiting for the engine to finish");
+    // Every engine handle is gone with the services, so the engine stops its workers and exits.
     tokio::task::spawn_blocking(move || engine_thread.join())
         .await?
         .map_err(|_| anyhow::anyhow!("engine thread panicked"))?;
     Ok(())
 }
+
+/// Probes see NOT_SERVING at once; the engine refuses new work and bounds the drain; the
+/// listeners stop accepting and finish their open calls.
+async fn shut_down_on_signal(
+    shutdown: CancellationToken,
+    engine: EngineHandle,
+    health: HealthReporter,
+    timeout: Duration,
+) {
+    shutdown_signal().await;
+    set_health(&health, false).await;
+    engine.begin_drain(timeout);
+    drop(engine);
+    shutdown.cancel();
+}
+
 /// Health follows the engine: `SERVING` while some replica is ready. Holds only the engine's
 /// health watch, not a handle, so it does not keep the engine alive.
-fn follow_engine_health(
-    engine: EngineHandle,
-    reporter: tonic_health::server::HealthReporter,
-) -> impl std::future::Future<Output = ()> {
+fn follow_engine_health(engine: EngineHandle, reporter: HealthReporter) -> impl std::future::Future<Output = ()> {
     let mut serving = engine.serving.clone();
     drop(engine);
     async move {
@@ -94,7 +180,7 @@ fn follow_engine_health(
     }
 }
 
-async fn set_health(reporter: &tonic_health::server::HealthReporter, serving: bool) {
+async fn set_health(reporter: &HealthReporter, serving: bool) {
     let status = if serving {
         tonic_health::ServingStatus::Serving
     } else {

@@ -1,6 +1,9 @@
 //! Engine statistics, owned by the engine loop and copied out on request.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use crate::metrics::Metrics;
 
 use crate::replica::{Replica, ReplicaSnapshot, ReplicaState};
 use crate::scheduler::SchedulingPolicy;
@@ -30,8 +33,9 @@ pub struct StatsSnapshot {
     pub replicas: Vec<ReplicaSnapshot>,
 }
 
-#[derive(Debug)]
 pub struct EngineStats {
+    /// The Prometheus side of the same events.
+    pub metrics: Arc<Metrics>,
     pub total_tokens_generated: u64,
     pub num_preemptions: u64,
     pub iterations: u64,
@@ -43,9 +47,10 @@ pub struct EngineStats {
     window_tokens: u64,
 }
 
-impl Default for EngineStats {
-    fn default() -> Self {
+impl EngineStats {
+    pub fn new(metrics: Arc<Metrics>) -> Self {
         Self {
+            metrics,
             total_tokens_generated: 0,
             num_preemptions: 0,
             iterations: 0,
@@ -56,12 +61,21 @@ impl Default for EngineStats {
             window_tokens: 0,
         }
     }
-}
 
-impl EngineStats {
     pub fn record_tokens(&mut self, tokens: u64) {
         self.total_tokens_generated += tokens;
         self.window_tokens += tokens;
+        self.metrics.generation_tokens.inc_by(tokens);
+    }
+
+    /// A planned step: its size, the sequences it preempted and its prefix-cache lookups.
+    pub fn record_plan(&mut self, tokens: usize, preempted: usize, prefix_queried: u64, prefix_hit: u64) {
+        self.iterations += 1;
+        self.num_preemptions += preempted as u64;
+        self.metrics.iteration_tokens.observe(tokens as f64);
+        self.metrics.preemptions.inc_by(preempted as u64);
+        self.metrics.prefix_cache_queries.inc_by(prefix_queried);
+        self.metrics.prefix_cache_hits.inc_by(prefix_hit);
     }
 
     /// One iteration's timing: `step` from planning until its outputs were applied, `forward` the
@@ -70,6 +84,8 @@ impl EngineStats {
         self.step_micros_total += step.as_micros() as u64;
         self.worker_forward_micros_total += forward.as_micros() as u64;
         self.scheduler_micros_total += scheduler.as_micros() as u64;
+        self.metrics.step_forward.observe(forward.as_secs_f64());
+        self.metrics.step_scheduler.observe(scheduler.as_secs_f64());
     }
 
     pub fn reset_window(&mut self) {

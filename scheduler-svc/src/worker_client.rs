@@ -61,6 +61,8 @@ pub struct WorkerLaunch {
     pub step_timeout: Duration,
     pub max_num_batched_tokens: u32,
     pub max_num_seqs: u32,
+    /// The worker logs as the scheduler does (`server.json_logs`).
+    pub json_logs: bool,
 }
 
 impl WorkerLaunch {
@@ -99,6 +101,7 @@ impl WorkerLaunch {
             step_timeout: Duration::from_secs(worker.step_timeout_secs),
             max_num_batched_tokens: config.scheduler.max_num_batched_tokens,
             max_num_seqs: config.scheduler.max_num_seqs,
+            json_logs: config.server.json_logs,
         }
     }
 }
@@ -216,6 +219,7 @@ impl WorkerClient {
         if let Some(threads) = launch.threads {
             command.arg("--threads").arg(threads.to_string());
         }
+        command.env("RIVULET_SERVER__JSON_LOGS", launch.json_logs.to_string());
         let child = command.spawn().map_err(|source| WorkerClientError::Spawn {
             binary: launch.binary.display().to_string(),
             source,

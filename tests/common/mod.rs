@@ -35,7 +35,12 @@ pub fn binary(name: &str) -> PathBuf {
 /// A running server; stopped (SIGTERM, then SIGKILL) when dropped.
 pub struct TestServer {
     child: Child,
+    /// gRPC (Generation, health, reflection).
     pub address: String,
+    /// The OpenAI-compatible HTTP front.
+    pub http_address: String,
+    /// The Admin service.
+    pub admin_address: String,
     /// `client()` first waits until a worker replica is ready (the port opens before).
     wait_for_worker: bool,
 }
@@ -67,6 +72,8 @@ impl TestServer {
             )
             .env("RIVULET_CONFIG", "/nonexistent/rivulet.toml")
             .env("RIVULET_SERVER__LISTEN", "127.0.0.1:0")
+            .env("RIVULET_SERVER__HTTP_LISTEN", "127.0.0.1:0")
+            .env("RIVULET_SERVER__ADMIN_LISTEN", "127.0.0.1:0")
             .env("RIVULET_MODEL__PATH", model_path())
             .env("RIVULET_MODEL__MAX_MODEL_LEN", "2048")
             .env("RIVULET_WORKER__KV_CACHE_MEMORY", (256u64 << 20).to_string())
@@ -80,21 +87,37 @@ impl TestServer {
         let (address_tx, address_rx) = mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(address) = line.strip_prefix("rivulet-scheduler listening on ") {
-                    let _ = address_tx.send(address.to_owned());
+                if let Some(rest) = line.strip_prefix("rivulet-scheduler ") {
+                    let _ = address_tx.send(rest.to_owned());
                 }
             }
         });
-        let address = match address_rx.recv_timeout(Duration::from_secs(300)) {
-            Ok(address) => address,
-            Err(_) => {
-                let _ = child.kill();
-                panic!("rivulet-scheduler did not start listening: {:?}", child.wait());
+        // Three lines, all printed before any worker is ready: gRPC, HTTP, admin.
+        let mut addresses = Vec::new();
+        while addresses.len() < 3 {
+            match address_rx.recv_timeout(Duration::from_secs(300)) {
+                Ok(line) => addresses.push(line),
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!("rivulet-scheduler did not start listening: {:?}", child.wait());
+                }
             }
+        }
+        let find = |prefix: &str| {
+            addresses
+                .iter()
+                .find_map(|line| line.strip_prefix(prefix))
+                .unwrap_or_else(|| panic!("no `{prefix}` line in {addresses:?}"))
+                .to_owned()
         };
+        let address = find("listening on ");
+        let http_address = find("http listening on ");
+        let admin_address = find("admin listening on ");
         Self {
             child,
             address,
+            http_address,
+            admin_address,
             wait_for_worker,
         }
     }
@@ -141,7 +164,7 @@ impl TestServer {
     }
 
     pub async fn admin(&self) -> AdminClient<Channel> {
-        AdminClient::connect(format!("http://{}", self.address))
+        AdminClient::connect(format!("http://{}", self.admin_address))
             .await
             .expect("connect admin")
     }

@@ -44,14 +44,21 @@ struct Args {
     /// Keep f16 copies of the weights for one-token steps on the CPU.
     #[arg(long)]
     half_precision_gemv: bool,
+    /// Log lines as JSON; the scheduler's own setting (and variable), so a pod's log is one format.
+    #[arg(long, env = "RIVULET_SERVER__JSON_LOGS")]
+    json_logs: bool,
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
     let args = Args::parse();
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr);
+    if args.json_logs {
+        subscriber.json().init();
+    } else {
+        subscriber.init();
+    }
     if !rivulet_worker::malloc_tuning::keep_freed_memory() {
         tracing::warn!("could not tune malloc thresholds; steps may page-fault more");
     }

@@ -12,25 +12,25 @@ use crate::metrics::RequestOutcome;
 pub struct OpenAiBackend {
     client: reqwest::Client,
     url: String,
-    model: String,
+    /// The `model` field; left out when not given (the server's own model).
+    model: Option<String>,
 }
 
 impl OpenAiBackend {
     /// `base_url` is the server's root (e.g. `http://127.0.0.1:8080`); `/v1/completions` is added.
-    pub fn new(base_url: &str, model: &str) -> Result<Self, reqwest::Error> {
+    pub fn new(base_url: &str, model: Option<&str>) -> Result<Self, reqwest::Error> {
         Ok(Self {
             // A fresh connection per request: servers close idle keep-alive connections on their own
             // schedule (llama-server after a few requests), and a request sent on a connection
             // the server is closing fails for reasons that are not the server's throughput.
             client: reqwest::Client::builder().pool_max_idle_per_host(0).build()?,
             url: format!("{}/v1/completions", base_url.trim_end_matches('/')),
-            model: model.to_owned(),
+            model: model.map(str::to_owned),
         })
     }
 
     pub async fn send(&self, request: &BenchRequest, ignore_eos: bool) -> RequestOutcome {
-        let body = json!({
-            "model": self.model,
+        let mut body = json!({
             "prompt": request.prompt,
             "max_tokens": request.max_tokens,
             "temperature": 0.0,
@@ -38,6 +38,9 @@ impl OpenAiBackend {
             "ignore_eos": ignore_eos,
             "stream_options": {"include_usage": true},
         });
+        if let Some(model) = &self.model {
+            body["model"] = json!(model);
+        }
         let sent = Instant::now();
         let mut response = match self.client.post(&self.url).json(&body).send().await {
             Ok(response) if response.status().is_success() => response,

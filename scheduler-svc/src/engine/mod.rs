@@ -26,6 +26,7 @@ use tokio::sync::watch;
 
 use crate::block_manager::BlockManagerConfig;
 use crate::config::Config;
+use crate::metrics::Metrics;
 use crate::model_limits::ModelLimits;
 use crate::queue::WaitingQueue;
 use crate::replica::attach_listener::AttachListener;
@@ -58,6 +59,7 @@ pub fn start(
     config: Config,
     tokenizer: Arc<ModelTokenizer>,
     limits: ModelLimits,
+    metrics: Arc<Metrics>,
 ) -> Result<(EngineHandle, JoinHandle<()>), EngineStartError> {
     let binary = worker_binary(&config);
     if config.worker.replicas > 0 && binary.components().count() > 1 && !binary.exists() {
@@ -81,7 +83,8 @@ pub fn start(
         None => None,
     };
     let max_queued = config.scheduler.max_queued_requests as usize;
-    let mut engine = Engine::new(config, tokenizer, limits.clone(), inputs.clone(), input_rx, serving_tx);
+    let stats = EngineStats::new(metrics);
+    let mut engine = Engine::new(config, tokenizer, limits.clone(), (inputs.clone(), input_rx), serving_tx, stats);
     engine.attach_listener = attach_listener;
     for index in 0..engine.config.worker.replicas as usize {
         engine.add_replica(ReplicaOrigin::Spawned, WorkerSource::Spawn, index)?;
@@ -131,9 +134,9 @@ impl Engine {
         config: Config,
         tokenizer: Arc<ModelTokenizer>,
         limits: Arc<ModelLimits>,
-        input_sender: Sender<EngineInput>,
-        inputs: Receiver<EngineInput>,
+        (input_sender, inputs): (Sender<EngineInput>, Receiver<EngineInput>),
         serving: watch::Sender<bool>,
+        stats: EngineStats,
     ) -> Self {
         let scheduler = &config.scheduler;
         Self {
@@ -153,7 +156,7 @@ impl Engine {
             limits,
             replicas: Vec::new(),
             unrouted: WaitingQueue::default(),
-            stats: EngineStats::default(),
+            stats,
             inputs,
             input_sender,
             handles_open: true,
@@ -270,6 +273,7 @@ impl Engine {
                 }
                 let id = self.next_sequence_id;
                 self.next_sequence_id += 1;
+                tracing::debug!(request_id = %request.id, sequence = id, prompt_tokens = request.prompt_ids.len(), "queued");
                 self.unrouted
                     .push_back(Sequence::new(id, request, events, queue_ticket));
             }

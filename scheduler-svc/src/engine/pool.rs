@@ -47,6 +47,7 @@ impl Engine {
             ReplicaEvent::Starting => {
                 if replica.incarnation > 0 {
                     replica.restarts += 1;
+                    self.stats.metrics.worker_restarts.inc();
                 }
                 replica.incarnation = message.incarnation;
                 if replica.state != ReplicaState::Draining {

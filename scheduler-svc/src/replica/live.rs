@@ -101,10 +101,12 @@ impl LiveReplica {
         }
         let started = Instant::now();
         self.blocks.expire_cached(started);
+        let (queried_before, hit_before) = self.blocks.prefix_lookup_counts();
         let plan = self
             .scheduler
             .plan(&mut self.running, &mut self.waiting, &mut self.blocks);
-        stats.num_preemptions += plan.preempted as u64;
+        let (queried, hit) = self.blocks.prefix_lookup_counts();
+        stats.record_plan(plan.num_tokens, plan.preempted, queried - queried_before, hit - hit_before);
         if plan.seqs.is_empty() {
             // Nothing fits even alone (a cache smaller than validation assumed): never spin on it.
             if let Some(seq) = self.waiting.pop_front() {
@@ -120,7 +122,6 @@ impl LiveReplica {
         }
         let mut buffer = self.buffer.take()?;
         self.last_step += 1;
-        stats.iterations += 1;
         write_step(
             &mut buffer,
             self.last_step,

@@ -30,6 +30,25 @@ pub enum ReplicaState {
     Failed,
 }
 
+impl ReplicaState {
+    pub const ALL: [ReplicaState; 4] = [
+        ReplicaState::Starting,
+        ReplicaState::Ready,
+        ReplicaState::Draining,
+        ReplicaState::Failed,
+    ];
+
+    /// Its name as a metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            ReplicaState::Starting => "starting",
+            ReplicaState::Ready => "ready",
+            ReplicaState::Draining => "draining",
+            ReplicaState::Failed => "failed",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReplicaOrigin {
     /// Spawned by the scheduler (`worker.replicas`).

@@ -101,6 +101,7 @@ pub fn apply_outputs(
             text,
             usage,
             logprobs,
+            queue_time: seq.queue_time.unwrap_or_default(),
         });
     }
     generated

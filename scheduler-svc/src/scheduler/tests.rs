@@ -11,6 +11,7 @@ fn seq(id: u64, prompt_len: usize, priority: Priority, receivers: &mut Receivers
     let (tx, rx) = mpsc::unbounded_channel();
     receivers.push(rx);
     let request = GenerationRequest {
+        id: String::new(),
         prompt_ids: (0..prompt_len as u32).map(|t| t + id as u32 * 1000).collect(),
         sampling: SamplingParams::greedy(),
         stopping: StoppingParams {

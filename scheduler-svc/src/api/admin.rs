@@ -8,7 +8,7 @@ use tonic::{Request, Response, Status};
 use crate::engine::EngineHandle;
 use crate::replica::{ReplicaOrigin, ReplicaSnapshot, ReplicaState};
 use crate::scheduler::SchedulingPolicy;
-use crate::service::engine_status;
+use super::grpc::engine_status;
 use crate::stats::StatsSnapshot;
 
 pub struct AdminService {

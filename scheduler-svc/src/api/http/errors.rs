@@ -1,0 +1,110 @@
+//! Every HTTP error in OpenAI's JSON shape, rendered by one `IntoResponse`:
+//! `{"error": {"message", "type", "param", "code"}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+use super::translate::Endpoint;
+use crate::api::validation::ValidationError;
+use crate::api::SubmitError;
+use crate::request::{EngineError, ErrorKind};
+
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<&'static str>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn bad_request(param: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param),
+            code: None,
+        }
+    }
+
+    /// A body that is not JSON or not of the expected shape; `path` is where serde stopped.
+    pub fn malformed(path: String, problem: String) -> Self {
+        let message = if path.is_empty() || path == "." {
+            format!("the request body is not valid: {problem}")
+        } else {
+            format!("{path}: {problem}")
+        };
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message,
+            kind: "invalid_request_error",
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn unauthorized() -> Self {
+        Self {
+            status: StatusCode::UNAUTHORIZED,
+            message: "a valid API key is required: `Authorization: Bearer <key>`".to_owned(),
+            kind: "authentication_error",
+            param: None,
+            code: Some("invalid_api_key"),
+        }
+    }
+
+    pub fn engine(error: &EngineError) -> Self {
+        let (status, kind) = match error.kind() {
+            ErrorKind::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable_error"),
+            ErrorKind::Overloaded => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error"),
+            ErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found_error"),
+            ErrorKind::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+        };
+        Self {
+            status,
+            message: error.to_string(),
+            kind,
+            param: None,
+            code: Some(error.error_type()),
+        }
+    }
+
+    pub fn submit(endpoint: Endpoint, error: SubmitError) -> Self {
+        match error {
+            SubmitError::Invalid(ValidationError::Invalid { field, problem }) => {
+                let param = endpoint.param_name(field);
+                Self::bad_request(param, format!("{param}: {problem}"))
+            }
+            SubmitError::Invalid(error @ ValidationError::UnknownModel { .. }) => Self {
+                status: StatusCode::NOT_FOUND,
+                message: error.to_string(),
+                kind: "invalid_request_error",
+                param: Some("model"),
+                code: Some("model_not_found"),
+            },
+            SubmitError::Engine(error) => Self::engine(&error),
+        }
+    }
+
+    /// The `error` object, also sent as an event when a stream fails midway.
+    pub fn body(&self) -> serde_json::Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}

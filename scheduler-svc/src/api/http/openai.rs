@@ -1,0 +1,218 @@
+//! OpenAI's JSON shapes (with vLLM's extras) for completions and chat completions. One request
+//! type serves both endpoints: each endpoint refuses the other's fields, and every parameter
+//! Rivulet does not support is refused by name (unknown fields are refused by serde), never
+//! silently ignored.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    TokenIds(Vec<u32>),
+    Texts(Vec<String>),
+    TokenIdBatches(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StopInput {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            StopInput::One(stop) => vec![stop],
+            StopInput::Many(stops) => stops,
+        }
+    }
+}
+
+/// Completions take a count of alternatives, chat a flag (with `top_logprobs`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum LogprobsInput {
+    Flag(bool),
+    Count(u32),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InputMessage {
+    pub role: String,
+    pub content: MessageContent,
+    /// A participant's name: accepted, not shown to the model (the chat template has no place for it).
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// A `/v1/completions` or `/v1/chat/completions` body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenerationBody {
+    pub model: Option<String>,
+    /// Completions only.
+    pub prompt: Option<PromptInput>,
+    /// Chat only.
+    pub messages: Option<Vec<InputMessage>>,
+    pub max_tokens: Option<u32>,
+    /// Chat's newer name for `max_tokens`.
+    pub max_completion_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Option<StopInput>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    pub logprobs: Option<LogprobsInput>,
+    /// Chat only.
+    pub top_logprobs: Option<u32>,
+    pub user: Option<String>,
+    // vLLM's extras.
+    pub top_k: Option<i32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    #[serde(default)]
+    pub min_tokens: u32,
+    #[serde(default)]
+    pub stop_token_ids: Vec<u32>,
+    #[serde(default)]
+    pub include_stop_str_in_output: bool,
+    /// Also return the generated token ids (`choices[].token_ids`).
+    #[serde(default)]
+    pub return_token_ids: bool,
+    /// Rivulet's scheduling class: `low`, `normal`, `high` or `critical`.
+    pub priority: Option<String>,
+    // OpenAI parameters Rivulet refuses unless they ask for the default.
+    pub n: Option<u32>,
+    pub best_of: Option<u32>,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    pub tools: Option<serde_json::Value>,
+    pub tool_choice: Option<serde_json::Value>,
+    pub functions: Option<serde_json::Value>,
+    pub function_call: Option<serde_json::Value>,
+    pub parallel_tool_calls: Option<serde_json::Value>,
+    pub response_format: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct UsageBody {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: u32,
+}
+
+/// `/v1/completions` logprobs: parallel lists, one entry per token.
+#[derive(Debug, Default, Serialize)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<serde_json::Map<String, serde_json::Value>>,
+    pub text_offset: Vec<usize>,
+}
+
+/// `/v1/chat/completions` logprobs: one object per token.
+#[derive(Debug, Default, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatTopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct AssistantMessage {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// One choice of a response or chunk; `text` for completions, `message` / `delta` for chat.
+#[derive(Debug, Serialize)]
+pub struct Choice {
+    pub index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<AssistantMessage>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub delta: Option<AssistantMessage>,
+    pub logprobs: Option<serde_json::Value>,
+    pub finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// A whole response or one streamed chunk.
+#[derive(Debug, Serialize)]
+pub struct ResponseBody {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<Choice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<UsageBody>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    pub max_model_len: u32,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}

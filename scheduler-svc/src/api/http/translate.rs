@@ -1,0 +1,252 @@
+//! OpenAI's request body → the domain's [`RequestDraft`], and domain field names back into
+//! OpenAI's parameter names for errors. Refusals of what Rivulet does not support happen here.
+
+use super::errors::ApiError;
+use super::openai::{GenerationBody, LogprobsInput, MessageContent, PromptInput};
+use crate::api::validation::{Field, Prompt, RequestDraft, SamplingDraft, StoppingDraft};
+use crate::chat_template::ChatMessage;
+use crate::request::Priority;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+impl Endpoint {
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+
+    /// How this endpoint names a domain field.
+    pub fn param_name(self, field: Field) -> &'static str {
+        match field {
+            Field::Prompt | Field::PromptTokenIds => "prompt",
+            Field::Messages => "messages",
+            Field::Model => "model",
+            Field::Temperature => "temperature",
+            Field::TopK => "top_k",
+            Field::TopP => "top_p",
+            Field::MinP => "min_p",
+            Field::RepetitionPenalty => "repetition_penalty",
+            Field::FrequencyPenalty => "frequency_penalty",
+            Field::PresencePenalty => "presence_penalty",
+            Field::TopLogprobs if self == Endpoint::Completions => "logprobs",
+            Field::TopLogprobs => "top_logprobs",
+            Field::MaxNewTokens => "max_tokens",
+            Field::Stop => "stop",
+            Field::StopTokenIds => "stop_token_ids",
+            Field::MinNewTokens => "min_tokens",
+            Field::MaxResponseChars => "max_response_chars",
+            Field::Priority => "priority",
+        }
+    }
+}
+
+fn unsupported(param: &'static str, what: &str) -> ApiError {
+    ApiError::bad_request(param, format!("{param}: {what} is not supported"))
+}
+
+/// Refuses every OpenAI parameter Rivulet does not implement, unless it asks for the default.
+fn refuse_unsupported(body: &GenerationBody) -> Result<(), ApiError> {
+    if body.n.is_some_and(|n| n != 1) {
+        return Err(unsupported("n", "more than one choice"));
+    }
+    if body.best_of.is_some_and(|n| n != 1) {
+        return Err(unsupported("best_of", "more than one candidate"));
+    }
+    if body.echo == Some(true) {
+        return Err(unsupported("echo", "echoing the prompt"));
+    }
+    if body.suffix.is_some() {
+        return Err(unsupported("suffix", "a suffix (insertion)"));
+    }
+    if body.logit_bias.as_ref().is_some_and(|bias| !bias.is_empty()) {
+        return Err(unsupported("logit_bias", "biasing logits"));
+    }
+    let absent_or_none = |value: &Option<serde_json::Value>| match value {
+        None | Some(serde_json::Value::Null) => true,
+        Some(serde_json::Value::String(s)) => s == "none",
+        Some(_) => false,
+    };
+    for (param, value) in [
+        ("tools", &body.tools),
+        ("tool_choice", &body.tool_choice),
+        ("functions", &body.functions),
+        ("function_call", &body.function_call),
+        ("parallel_tool_calls", &body.parallel_tool_calls),
+    ] {
+        if !absent_or_none(value) && value != &Some(serde_json::Value::Array(Vec::new())) {
+            return Err(unsupported(param, "tool and function calling"));
+        }
+    }
+    if let Some(format) = &body.response_format {
+        if format.get("type").and_then(|t| t.as_str()) != Some("text") {
+            return Err(unsupported("response_format", "a structured response format"));
+        }
+    }
+    Ok(())
+}
+
+/// The prompt of a completions request: one text or one list of token ids.
+fn completion_prompt(prompt: Option<PromptInput>) -> Result<Prompt, ApiError> {
+    let one = |count: usize| -> Result<(), ApiError> {
+        if count == 1 {
+            Ok(())
+        } else {
+            Err(unsupported("prompt", "a batch of prompts (send one per request)"))
+        }
+    };
+    match prompt {
+        None => Err(ApiError::bad_request("prompt", "prompt: is required")),
+        Some(PromptInput::Text(text)) => Ok(Prompt::Text(text)),
+        Some(PromptInput::TokenIds(ids)) => Ok(Prompt::TokenIds(ids)),
+        Some(PromptInput::Texts(mut texts)) => {
+            one(texts.len())?;
+            Ok(Prompt::Text(texts.remove(0)))
+        }
+        Some(PromptInput::TokenIdBatches(mut batches)) => {
+            one(batches.len())?;
+            Ok(Prompt::TokenIds(batches.remove(0)))
+        }
+    }
+}
+
+fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
+    let messages = body
+        .messages
+        .take()
+        .ok_or_else(|| ApiError::bad_request("messages", "messages: is required"))?;
+    let mut converted = Vec::with_capacity(messages.len());
+    for message in messages {
+        let content = match message.content {
+            MessageContent::Text(text) => text,
+            MessageContent::Parts(parts) => {
+                let mut text = String::new();
+                for part in parts {
+                    match (part.kind.as_str(), part.text) {
+                        ("text", Some(part_text)) => text.push_str(&part_text),
+                        (kind, _) => {
+                            return Err(unsupported("messages", &format!("a content part of type {kind:?}")));
+                        }
+                    }
+                }
+                text
+            }
+        };
+        // OpenAI's newer name for the system role.
+        let role = if message.role == "developer" {
+            "system".to_owned()
+        } else {
+            message.role
+        };
+        converted.push(ChatMessage { role, content });
+    }
+    Ok(Prompt::Messages(converted))
+}
+
+fn priority(name: Option<&str>) -> Result<Priority, ApiError> {
+    match name {
+        None | Some("normal") => Ok(Priority::Normal),
+        Some("low") => Ok(Priority::Low),
+        Some("high") => Ok(Priority::High),
+        Some("critical") => Ok(Priority::Critical),
+        Some(other) => Err(ApiError::bad_request(
+            "priority",
+            format!("priority: {other:?} is not low, normal, high or critical"),
+        )),
+    }
+}
+
+/// A body for `endpoint` as the domain's draft.
+pub fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<RequestDraft, ApiError> {
+    refuse_unsupported(&body)?;
+    let prompt = match endpoint {
+        Endpoint::Completions => {
+            if body.messages.is_some() {
+                return Err(ApiError::bad_request(
+                    "messages",
+                    "messages: belongs to /v1/chat/completions; send a prompt here",
+                ));
+            }
+            completion_prompt(body.prompt.take())?
+        }
+        Endpoint::Chat => {
+            if body.prompt.is_some() {
+                return Err(ApiError::bad_request(
+                    "prompt",
+                    "prompt: belongs to /v1/completions; send messages here",
+                ));
+            }
+            chat_messages(&mut body)?
+        }
+    };
+    let (logprobs, top_logprobs) = match (endpoint, body.logprobs, body.top_logprobs) {
+        (_, None, None) => (false, 0),
+        (Endpoint::Completions, Some(LogprobsInput::Count(count)), None) => (true, count),
+        (Endpoint::Completions, _, Some(_)) => {
+            return Err(ApiError::bad_request(
+                "top_logprobs",
+                "top_logprobs: belongs to chat; completions take logprobs: <count>",
+            ))
+        }
+        (Endpoint::Completions, Some(LogprobsInput::Flag(_)), None) => {
+            return Err(ApiError::bad_request(
+                "logprobs",
+                "logprobs: completions take a count of alternatives (0-20)",
+            ))
+        }
+        (Endpoint::Chat, Some(LogprobsInput::Flag(flag)), top) => (flag, top.unwrap_or(0)),
+        (Endpoint::Chat, None, Some(_)) => {
+            return Err(ApiError::bad_request(
+                "top_logprobs",
+                "top_logprobs: needs logprobs: true",
+            ))
+        }
+        (Endpoint::Chat, Some(LogprobsInput::Count(_)), _) => {
+            return Err(ApiError::bad_request(
+                "logprobs",
+                "logprobs: chat takes true or false (and top_logprobs)",
+            ))
+        }
+    };
+    if body.max_tokens.is_some() && body.max_completion_tokens.is_some() {
+        return Err(ApiError::bad_request(
+            "max_completion_tokens",
+            "max_completion_tokens: set it or max_tokens, not both",
+        ));
+    }
+    if let Some(user) = &body.user {
+        tracing::debug!(request_id = %id, %user, "end user");
+    }
+    Ok(RequestDraft {
+        id,
+        model: body.model,
+        prompt,
+        sampling: SamplingDraft {
+            temperature: body.temperature,
+            top_k: body.top_k,
+            top_p: body.top_p,
+            min_p: body.min_p,
+            repetition_penalty: body.repetition_penalty,
+            frequency_penalty: body.frequency_penalty,
+            presence_penalty: body.presence_penalty,
+            seed: body.seed,
+            logprobs,
+            top_logprobs,
+        },
+        stopping: StoppingDraft {
+            max_new_tokens: body.max_tokens.or(body.max_completion_tokens),
+            ignore_eos: body.ignore_eos,
+            stop: body.stop.map(|stop| stop.into_vec()).unwrap_or_default(),
+            stop_token_ids: body.stop_token_ids,
+            min_new_tokens: body.min_tokens,
+            max_response_chars: None,
+            include_stop_str_in_output: body.include_stop_str_in_output,
+        },
+        priority: priority(body.priority.as_deref())?,
+    })
+}

@@ -1,0 +1,136 @@
+//! A submitted request as both fronts see it: its stream of engine events, observed on the way
+//! past for the per-request metrics (time to first token, time per output token, end-to-end
+//! latency, queue time, finish reasons) and for the one log line each request leaves when it ends,
+//! however it ends (finished, failed, or dropped because its client went away).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio_stream::Stream;
+
+use crate::metrics::Metrics;
+use crate::request::{FinishReason, SequenceEvent};
+
+/// OpenAI's (and vLLM's metrics') word for a finish reason.
+pub fn openai_finish_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::EosToken | FinishReason::StopToken | FinishReason::StopString => "stop",
+        FinishReason::MaxTokens | FinishReason::Length => "length",
+        FinishReason::Cancelled => "abort",
+    }
+}
+
+pub struct TrackedRequest {
+    id: String,
+    front: &'static str,
+    events: UnboundedReceiver<SequenceEvent>,
+    metrics: Arc<Metrics>,
+    prompt_tokens: usize,
+    submitted: Instant,
+    first_token: Option<Instant>,
+    generated: usize,
+    /// Set once the last event went past: what the summary line reports.
+    outcome: Option<&'static str>,
+}
+
+impl TrackedRequest {
+    pub fn new(
+        id: String,
+        front: &'static str,
+        prompt_tokens: usize,
+        events: UnboundedReceiver<SequenceEvent>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            id,
+            front,
+            events,
+            metrics,
+            prompt_tokens,
+            submitted: Instant::now(),
+            first_token: None,
+            generated: 0,
+            outcome: None,
+        }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn observe(&mut self, event: &SequenceEvent) {
+        let new_tokens = match event {
+            SequenceEvent::Tokens { token_ids, .. } | SequenceEvent::Finished { token_ids, .. } => token_ids.len(),
+            SequenceEvent::Failed(_) => 0,
+        };
+        if new_tokens > 0 && self.first_token.is_none() {
+            self.first_token = Some(Instant::now());
+            self.metrics
+                .time_to_first_token
+                .observe(self.submitted.elapsed().as_secs_f64());
+            self.metrics.prompt_tokens.inc_by(self.prompt_tokens as u64);
+        }
+        self.generated += new_tokens;
+        match event {
+            SequenceEvent::Tokens { .. } => {}
+            SequenceEvent::Finished { reason, queue_time, .. } => {
+                let metrics = &self.metrics;
+                let total = self.submitted.elapsed();
+                metrics.e2e_request_latency.observe(total.as_secs_f64());
+                metrics.request_queue_time.observe(queue_time.as_secs_f64());
+                metrics.request_prompt_tokens.observe(self.prompt_tokens as f64);
+                metrics.request_generation_tokens.observe(self.generated as f64);
+                if let (Some(first), true) = (self.first_token, self.generated > 1) {
+                    let per_token = first.elapsed() / (self.generated as u32 - 1);
+                    metrics.time_per_output_token.observe(per_token.as_secs_f64());
+                }
+                self.finish(openai_finish_reason(*reason));
+            }
+            SequenceEvent::Failed(error) => {
+                tracing::warn!(request_id = %self.id, %error, "request failed");
+                self.finish("error");
+            }
+        }
+    }
+
+    fn finish(&mut self, outcome: &'static str) {
+        self.metrics.record_finished(outcome);
+        self.outcome = Some(outcome);
+        let ttft = self.first_token.map(|first| first - self.submitted);
+        tracing::info!(
+            request_id = %self.id,
+            front = self.front,
+            prompt_tokens = self.prompt_tokens,
+            generated_tokens = self.generated,
+            time_to_first_token_ms = ttft.map(|t| t.as_secs_f64() * 1e3),
+            total_ms = self.submitted.elapsed().as_secs_f64() * 1e3,
+            finish_reason = outcome,
+            "request finished"
+        );
+    }
+}
+
+impl Stream for TrackedRequest {
+    type Item = SequenceEvent;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<SequenceEvent>> {
+        let this = &mut *self;
+        let polled = this.events.poll_recv(cx);
+        if let Poll::Ready(Some(event)) = &polled {
+            this.observe(event);
+        }
+        polled
+    }
+}
+
+impl Drop for TrackedRequest {
+    /// A request dropped before its last event: its client went away (the engine cancels it).
+    fn drop(&mut self) {
+        if self.outcome.is_none() {
+            self.finish("abort");
+        }
+    }
+}

@@ -1,0 +1,444 @@
+//! The one validation of a generation request, whichever front it came through. A front translates
+//! its protocol into a [`RequestDraft`] (parameters as the client gave them, unset ones `None`);
+//! [`Validator::validate`] applies the defaults and the engine's limits and tokenizes, giving a
+//! [`GenerationRequest`] or an error naming the [`Field`] — which each front spells in its own
+//! protocol's words (`sampling.temperature` in gRPC, `temperature` in OpenAI's JSON).
+
+use std::hash::{BuildHasher, Hasher};
+use std::sync::Arc;
+
+use rivulet_ipc::layout::MAX_TOP_LOGPROBS;
+use thiserror::Error;
+
+use crate::chat_template::ChatMessage;
+use crate::model_limits::ModelLimits;
+use crate::request::{GenerationRequest, Priority, SamplingParams, StoppingParams};
+use crate::tokenizer::ModelTokenizer;
+
+/// Stop strings a request may carry.
+pub const MAX_STOP_STRINGS: usize = 8;
+
+/// What the prompt is, as the client sent it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    TokenIds(Vec<u32>),
+    /// A conversation, rendered with the model's chat template (ending with the assistant's turn).
+    Messages(Vec<ChatMessage>),
+}
+
+/// Sampling parameters as given; `None` takes vLLM's default.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SamplingDraft {
+    pub temperature: Option<f32>,
+    /// -1 and 0 keep every token.
+    pub top_k: Option<i32>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub logprobs: bool,
+    pub top_logprobs: u32,
+}
+
+/// Stopping criteria as given; `None` takes the server's default.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StoppingDraft {
+    pub max_new_tokens: Option<u32>,
+    pub ignore_eos: bool,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub min_new_tokens: u32,
+    pub max_response_chars: Option<u32>,
+    pub include_stop_str_in_output: bool,
+}
+
+/// A request as a front received it, before validation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestDraft {
+    pub id: String,
+    /// The model the client asked for, if it named one.
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    pub sampling: SamplingDraft,
+    pub stopping: StoppingDraft,
+    pub priority: Priority,
+}
+
+/// A request parameter, named in errors. Each front spells it its own way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    Prompt,
+    PromptTokenIds,
+    Messages,
+    Model,
+    Temperature,
+    TopK,
+    TopP,
+    MinP,
+    RepetitionPenalty,
+    FrequencyPenalty,
+    PresencePenalty,
+    TopLogprobs,
+    MaxNewTokens,
+    Stop,
+    StopTokenIds,
+    MinNewTokens,
+    MaxResponseChars,
+    Priority,
+}
+
+impl Field {
+    /// The field's path in the gRPC `GenerateRequest`.
+    pub fn grpc_name(self) -> &'static str {
+        match self {
+            Field::Prompt => "prompt",
+            Field::PromptTokenIds => "prompt_token_ids",
+            Field::Messages => "messages",
+            Field::Model => "model",
+            Field::Temperature => "sampling.temperature",
+            Field::TopK => "sampling.top_k",
+            Field::TopP => "sampling.top_p",
+            Field::MinP => "sampling.min_p",
+            Field::RepetitionPenalty => "sampling.repetition_penalty",
+            Field::FrequencyPenalty => "sampling.frequency_penalty",
+            Field::PresencePenalty => "sampling.presence_penalty",
+            Field::TopLogprobs => "sampling.top_logprobs",
+            Field::MaxNewTokens => "stopping.max_new_tokens",
+            Field::Stop => "stopping.stop",
+            Field::StopTokenIds => "stopping.stop_token_ids",
+            Field::MinNewTokens => "stopping.min_new_tokens",
+            Field::MaxResponseChars => "stopping.max_response_chars",
+            Field::Priority => "priority",
+        }
+    }
+}
+
+/// Why a request cannot be served as given.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum ValidationError {
+    /// A parameter is invalid; the message says why (the front names the field).
+    #[error("{problem}")]
+    Invalid { field: Field, problem: String },
+    #[error("the model `{requested}` does not exist; this server serves `{served}`")]
+    UnknownModel { requested: String, served: String },
+}
+
+impl ValidationError {
+    pub fn invalid(field: Field, problem: impl Into<String>) -> Self {
+        Self::Invalid {
+            field,
+            problem: problem.into(),
+        }
+    }
+}
+
+/// Everything a request is checked against: the model's limits, its tokenizer and the server's
+/// defaults.
+pub struct Validator {
+    pub tokenizer: Arc<ModelTokenizer>,
+    pub limits: Arc<ModelLimits>,
+    pub served_model_name: String,
+    pub default_max_new_tokens: u32,
+    pub default_stop_strings: Vec<String>,
+}
+
+impl Validator {
+    /// Applies defaults and limits and tokenizes the prompt.
+    pub fn validate(&self, draft: RequestDraft) -> Result<GenerationRequest, ValidationError> {
+        if let Some(requested) = draft.model.filter(|m| !m.is_empty() && *m != self.served_model_name) {
+            return Err(ValidationError::UnknownModel {
+                requested,
+                served: self.served_model_name.clone(),
+            });
+        }
+        let (prompt_field, prompt_ids) = self.prompt_ids(draft.prompt)?;
+        let max_model_len = self.limits.max_model_len as usize;
+        if prompt_ids.len() >= max_model_len {
+            return Err(ValidationError::invalid(
+                prompt_field,
+                format!(
+                    "{} tokens leave no room in the model's context of {max_model_len} tokens",
+                    prompt_ids.len()
+                ),
+            ));
+        }
+        let sampling = sampling_params(draft.sampling)?;
+        let stopping = self.stopping_params(draft.stopping, prompt_ids.len())?;
+        Ok(GenerationRequest {
+            id: draft.id,
+            prompt_ids,
+            sampling,
+            stopping,
+            priority: draft.priority,
+        })
+    }
+
+    fn prompt_ids(&self, prompt: Prompt) -> Result<(Field, Vec<u32>), ValidationError> {
+        let (field, text) = match prompt {
+            Prompt::TokenIds(ids) => {
+                if ids.is_empty() {
+                    return Err(ValidationError::invalid(Field::PromptTokenIds, "must not be empty"));
+                }
+                let vocab = self.limits.vocab_size;
+                if let Some(bad) = ids.iter().find(|&&id| id >= vocab) {
+                    return Err(ValidationError::invalid(
+                        Field::PromptTokenIds,
+                        format!("token id {bad} is outside the vocabulary of {vocab}"),
+                    ));
+                }
+                return Ok((Field::PromptTokenIds, ids));
+            }
+            Prompt::Text(text) => (Field::Prompt, text),
+            Prompt::Messages(messages) => (Field::Messages, self.render_chat(&messages)?),
+        };
+        if text.is_empty() {
+            return Err(ValidationError::invalid(field, "must not be empty"));
+        }
+        let ids = self
+            .tokenizer
+            .encode(&text)
+            .map_err(|e| ValidationError::invalid(field, e.to_string()))?;
+        if ids.is_empty() {
+            return Err(ValidationError::invalid(field, "tokenizes to no tokens"));
+        }
+        Ok((field, ids))
+    }
+
+    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, ValidationError> {
+        if messages.is_empty() {
+            return Err(ValidationError::invalid(Field::Messages, "must not be empty"));
+        }
+        let template = self.tokenizer.chat_template().ok_or_else(|| {
+            ValidationError::invalid(Field::Messages, "the served model has no chat template; send a prompt")
+        })?;
+        if let Some(bad) = messages
+            .iter()
+            .find(|m| !["system", "user", "assistant"].contains(&m.role.as_str()))
+        {
+            return Err(ValidationError::invalid(
+                Field::Messages,
+                format!("unknown role {:?} (system, user or assistant)", bad.role),
+            ));
+        }
+        template
+            .render(messages)
+            .map_err(|e| ValidationError::invalid(Field::Messages, e.to_string()))
+    }
+
+    fn stopping_params(&self, stopping: StoppingDraft, prompt_len: usize) -> Result<StoppingParams, ValidationError> {
+        let max_model_len = self.limits.max_model_len as usize;
+        let max_new_tokens = stopping.max_new_tokens.unwrap_or(self.default_max_new_tokens);
+        if max_new_tokens == 0 {
+            return Err(ValidationError::invalid(Field::MaxNewTokens, "must be at least 1"));
+        }
+        let total = prompt_len + max_new_tokens as usize;
+        if total > max_model_len {
+            return Err(ValidationError::invalid(
+                Field::MaxNewTokens,
+                format!(
+                    "prompt ({prompt_len} tokens) + max new tokens ({max_new_tokens}) = {total} exceeds the model's context of {max_model_len}"
+                ),
+            ));
+        }
+        if let Some(capacity) = self.limits.kv_capacity_tokens().filter(|&capacity| total > capacity) {
+            return Err(ValidationError::invalid(
+                Field::MaxNewTokens,
+                format!("prompt + max new tokens = {total} tokens can never fit in the KV cache of {capacity} tokens"),
+            ));
+        }
+        if stopping.stop.len() > MAX_STOP_STRINGS {
+            return Err(ValidationError::invalid(
+                Field::Stop,
+                format!("{} stop strings; at most {MAX_STOP_STRINGS}", stopping.stop.len()),
+            ));
+        }
+        if stopping.stop.iter().any(String::is_empty) {
+            return Err(ValidationError::invalid(Field::Stop, "stop strings must not be empty"));
+        }
+        let vocab = self.limits.vocab_size;
+        if let Some(bad) = stopping.stop_token_ids.iter().find(|&&id| id >= vocab) {
+            return Err(ValidationError::invalid(
+                Field::StopTokenIds,
+                format!("token id {bad} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        if stopping.min_new_tokens > max_new_tokens {
+            return Err(ValidationError::invalid(
+                Field::MinNewTokens,
+                format!(
+                    "{} exceeds the maximum of new tokens ({max_new_tokens})",
+                    stopping.min_new_tokens
+                ),
+            ));
+        }
+        if stopping.max_response_chars == Some(0) {
+            return Err(ValidationError::invalid(
+                Field::MaxResponseChars,
+                "must be at least 1 when set",
+            ));
+        }
+        let mut stop_strings = stopping.stop;
+        stop_strings.extend(self.default_stop_strings.iter().cloned());
+        Ok(StoppingParams {
+            max_new_tokens,
+            ignore_eos: stopping.ignore_eos,
+            stop_strings,
+            stop_token_ids: stopping.stop_token_ids,
+            min_new_tokens: stopping.min_new_tokens,
+            max_response_chars: stopping.max_response_chars,
+            include_stop_str_in_output: stopping.include_stop_str_in_output,
+        })
+    }
+}
+
+fn check(field: Field, value: f32, ok: bool, range: &str) -> Result<f32, ValidationError> {
+    if value.is_finite() && ok {
+        Ok(value)
+    } else {
+        Err(ValidationError::invalid(field, format!("{value} is out of range: {range}")))
+    }
+}
+
+/// A seed for a request that did not give one: fresh randomness from the OS-seeded hasher keys.
+fn fresh_seed() -> u64 {
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    hasher.write_u128(nanos);
+    hasher.finish()
+}
+
+/// Sampling parameters with vLLM's defaults and ranges.
+pub fn sampling_params(sampling: SamplingDraft) -> Result<SamplingParams, ValidationError> {
+    let defaults = SamplingParams::default();
+    let temperature = sampling.temperature.unwrap_or(defaults.temperature);
+    let top_k = sampling.top_k.unwrap_or(0);
+    if top_k < -1 {
+        return Err(ValidationError::invalid(
+            Field::TopK,
+            format!("{top_k} is out of range: -1, 0 (all) or positive"),
+        ));
+    }
+    let top_p = sampling.top_p.unwrap_or(defaults.top_p);
+    let min_p = sampling.min_p.unwrap_or(defaults.min_p);
+    let repetition = sampling.repetition_penalty.unwrap_or(defaults.repetition_penalty);
+    let frequency = sampling.frequency_penalty.unwrap_or(defaults.frequency_penalty);
+    let presence = sampling.presence_penalty.unwrap_or(defaults.presence_penalty);
+    if sampling.top_logprobs as usize > MAX_TOP_LOGPROBS {
+        return Err(ValidationError::invalid(
+            Field::TopLogprobs,
+            format!("{} is more than the {MAX_TOP_LOGPROBS} allowed", sampling.top_logprobs),
+        ));
+    }
+    let penalty = |field, value: f32| check(field, value, (-2.0..=2.0).contains(&value), "[-2, 2]");
+    Ok(SamplingParams {
+        temperature: check(Field::Temperature, temperature, temperature >= 0.0, ">= 0")?,
+        top_k: top_k.max(0) as u32,
+        top_p: check(Field::TopP, top_p, top_p > 0.0 && top_p <= 1.0, "(0, 1]")?,
+        min_p: check(Field::MinP, min_p, (0.0..=1.0).contains(&min_p), "[0, 1]")?,
+        repetition_penalty: check(Field::RepetitionPenalty, repetition, repetition > 0.0, "> 0")?,
+        frequency_penalty: penalty(Field::FrequencyPenalty, frequency)?,
+        presence_penalty: penalty(Field::PresencePenalty, presence)?,
+        seed: sampling.seed.unwrap_or_else(fresh_seed),
+        logprobs: sampling.logprobs,
+        top_logprobs: sampling.top_logprobs,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn field_of(sampling: SamplingDraft) -> Field {
+        match sampling_params(sampling) {
+            Err(ValidationError::Invalid { field, .. }) => field,
+            other => panic!("expected an invalid field, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_are_vllms_and_bad_values_name_their_field() {
+        let params = sampling_params(SamplingDraft::default()).expect("defaults");
+        assert_eq!((params.temperature, params.top_p, params.top_k), (1.0, 1.0, 0));
+        let again = sampling_params(SamplingDraft::default()).expect("defaults");
+        assert_ne!(again.seed, params.seed, "fresh seeds differ");
+        let cases = [
+            (
+                SamplingDraft {
+                    temperature: Some(-0.5),
+                    ..Default::default()
+                },
+                Field::Temperature,
+            ),
+            (
+                SamplingDraft {
+                    top_p: Some(0.0),
+                    ..Default::default()
+                },
+                Field::TopP,
+            ),
+            (
+                SamplingDraft {
+                    top_p: Some(1.5),
+                    ..Default::default()
+                },
+                Field::TopP,
+            ),
+            (
+                SamplingDraft {
+                    top_k: Some(-2),
+                    ..Default::default()
+                },
+                Field::TopK,
+            ),
+            (
+                SamplingDraft {
+                    min_p: Some(2.0),
+                    ..Default::default()
+                },
+                Field::MinP,
+            ),
+            (
+                SamplingDraft {
+                    repetition_penalty: Some(0.0),
+                    ..Default::default()
+                },
+                Field::RepetitionPenalty,
+            ),
+            (
+                SamplingDraft {
+                    frequency_penalty: Some(3.0),
+                    ..Default::default()
+                },
+                Field::FrequencyPenalty,
+            ),
+            (
+                SamplingDraft {
+                    presence_penalty: Some(f32::NAN),
+                    ..Default::default()
+                },
+                Field::PresencePenalty,
+            ),
+            (
+                SamplingDraft {
+                    top_logprobs: 21,
+                    ..Default::default()
+                },
+                Field::TopLogprobs,
+            ),
+        ];
+        for (draft, field) in cases {
+            assert_eq!(field_of(draft), field);
+        }
+        let seeded = sampling_params(SamplingDraft {
+            seed: Some(7),
+            ..Default::default()
+        })
+        .expect("ok");
+        assert_eq!(seeded.seed, 7);
+    }
+}

@@ -1,0 +1,143 @@
+//! The operational surface, as a user and an operator meet it, on one server with an API key:
+//! health while the model loads and while a killed worker is replaced (gRPC and `/health`), the
+//! key on both fronts, request ids, and the OpenAI-compatible front and `/metrics` driven by the
+//! real `openai` package and Prometheus' own text parser (`tests/python/openai_client.py`).
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::time::Duration;
+
+use common::{greedy_request, root, signal, wait_until, TestServer};
+use rivulet::proto::{ChatMessage, GenerateRequest};
+use tonic::metadata::MetadataValue;
+use tonic::Code;
+use tonic_health::pb::health_check_response::ServingStatus;
+
+const KEY: &str = "test-key-1";
+const TOKENS: u32 = 12;
+
+/// The status code of `GET path` on the HTTP front (plain HTTP/1.0 over a socket).
+fn http_status(address: &str, path: &str) -> u16 {
+    let mut stream = TcpStream::connect(address).expect("connect http");
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: rivulet\r\n\r\n").expect("send");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("read");
+    response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {response:?}"))
+}
+
+fn with_key<T>(message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    let value = MetadataValue::try_from(format!("Bearer {KEY}")).expect("metadata");
+    request.metadata_mut().insert("authorization", value);
+    request
+}
+
+fn chat_request() -> GenerateRequest {
+    GenerateRequest {
+        prompt: String::new(),
+        messages: vec![ChatMessage {
+            role: "user".to_owned(),
+            content: "Name three colours.".to_owned(),
+        }],
+        ..greedy_request("", TOKENS)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn health_key_request_ids_and_the_openai_front() {
+    let server = TestServer::start_without_waiting_for_workers(&[("RIVULET_SERVER__API_KEY", KEY)]);
+    // The ports are open at once; the worker is still loading the model.
+    assert_eq!(server.health().await, ServingStatus::NotServing);
+    assert_eq!(http_status(&server.http_address, "/health"), 503);
+    server.wait_until_serving(Duration::from_secs(300)).await;
+    assert_eq!(http_status(&server.http_address, "/health"), 200);
+
+    // gRPC: the key is required, the request id comes back.
+    let mut client = server.client().await;
+    let refused = client
+        .generate(greedy_request("Hello", 2))
+        .await
+        .expect_err("no key");
+    assert_eq!(refused.code(), Code::Unauthenticated);
+    let mut request = with_key(greedy_request("The capital of France is", TOKENS));
+    request
+        .metadata_mut()
+        .insert("x-request-id", MetadataValue::from_static("my-request-7"));
+    let response = client.generate(request).await.expect("generate with the key");
+    assert_eq!(
+        response.metadata().get("x-request-id").and_then(|v| v.to_str().ok()),
+        Some("my-request-7")
+    );
+    let grpc_tokens = response.into_inner().token_ids;
+    let grpc_chat_tokens = client
+        .generate(with_key(chat_request()))
+        .await
+        .expect("chat")
+        .into_inner()
+        .token_ids;
+    let unknown_model = client
+        .generate(with_key(GenerateRequest {
+            model: "another-model".to_owned(),
+            ..greedy_request("Hello", 2)
+        }))
+        .await
+        .expect_err("unknown model");
+    assert_eq!(unknown_model.code(), Code::NotFound);
+    // Metrics and health are open without the key.
+    assert_eq!(http_status(&server.http_address, "/metrics"), 200);
+    assert_eq!(http_status(&server.http_address, "/v1/models"), 401);
+
+    // The OpenAI front, through the real client.
+    let expected = serde_json::json!({
+        "prompt": "The capital of France is",
+        "max_tokens": TOKENS,
+        "grpc_token_ids": grpc_tokens,
+        "chat": [{"role": "user", "content": "Name three colours."}],
+        "grpc_chat_token_ids": grpc_chat_tokens,
+    });
+    let output = Command::new(root().join(".venv/bin/python"))
+        .arg(root().join("tests/python/openai_client.py"))
+        .arg(format!("http://{}", server.http_address))
+        .arg(KEY)
+        .arg(expected.to_string())
+        .output()
+        .expect("run tests/python/openai_client.py (scripts/setup.sh --test installs openai)");
+    assert!(
+        output.status.success(),
+        "openai_client.py failed:\n{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    // A killed worker: NOT_SERVING / 503 until its replacement is ready, then SERVING / 200.
+    let stats = server.stats().await;
+    let worker = stats.replicas[0].pid;
+    signal(worker, "KILL");
+    wait_until(Duration::from_secs(30), "health to say NOT_SERVING", || async {
+        server.health().await == ServingStatus::NotServing
+    })
+    .await;
+    assert_eq!(http_status(&server.http_address, "/health"), 503);
+    server.wait_until_serving(Duration::from_secs(300)).await;
+    assert_eq!(http_status(&server.http_address, "/health"), 200);
+    let stats = server.stats().await;
+    assert_ne!(stats.replicas[0].pid, worker);
+    assert_eq!(stats.replicas[0].restarts, 1);
+    let mut stream = TcpStream::connect(&server.http_address).expect("connect");
+    write!(stream, "GET /metrics HTTP/1.0\r\n\r\n").expect("send");
+    let mut metrics = String::new();
+    stream.read_to_string(&mut metrics).expect("read");
+    assert!(
+        metrics
+            .lines()
+            .any(|line| line.starts_with("rivulet:worker_restarts_total") && line.ends_with(" 1")),
+        "{metrics}"
+    );
+}

@@ -1,0 +1,158 @@
+"""Rivulet's OpenAI-compatible HTTP front, driven by the real `openai` package and read by the
+real Prometheus text parser (`prometheus_client`), as a user of either would.
+
+Usage: openai_client.py BASE_URL API_KEY EXPECTED_JSON
+EXPECTED_JSON: {"prompt": str, "max_tokens": int, "grpc_token_ids": [int],
+                "chat": [{"role", "content"}], "grpc_chat_token_ids": [int]}
+(the gRPC front's greedy token ids for the same requests). Exits non-zero with the failing check.
+"""
+
+import json
+import sys
+import urllib.error
+import urllib.request
+
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+base_url, api_key, expected = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+client = openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0)
+prompt, max_tokens = expected["prompt"], expected["max_tokens"]
+greedy = {"temperature": 0.0, "max_tokens": max_tokens, "extra_body": {"return_token_ids": True, "ignore_eos": True}}
+
+
+def check(condition, what):
+    if not condition:
+        raise AssertionError(what)
+
+
+def scrape():
+    """Every sample of /metrics (no key needed), keyed by name and sorted labels."""
+    with urllib.request.urlopen(base_url + "/metrics") as response:
+        check(response.status == 200, "/metrics answers 200")
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            samples[(sample.name, labels)] = sample.value
+    return samples
+
+
+def metric(samples, name, **labels):
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+# --- /v1/models
+models = client.models.list()
+model = models.data[0].id
+check(len(models.data) == 1 and model, f"one served model: {models}")
+
+# --- metrics move by the right amounts after known requests (nothing else runs meanwhile)
+before = scrape()
+check(metric(before, "rivulet:workers", state="ready") == 1, "one ready worker")
+known = [client.completions.create(model=model, prompt=prompt, **greedy) for _ in range(2)]
+after = scrape()
+prompt_tokens = sum(c.usage.prompt_tokens for c in known)
+generated = sum(c.usage.completion_tokens for c in known)
+check(generated == 2 * max_tokens, f"ignore_eos gives max_tokens each: {generated}")
+for name, delta in [
+    ("rivulet:prompt_tokens_total", prompt_tokens),
+    ("rivulet:generation_tokens_total", generated),
+    ("rivulet:time_to_first_token_seconds_count", 2),
+    ("rivulet:e2e_request_latency_seconds_count", 2),
+    ("rivulet:request_queue_time_seconds_count", 2),
+    ("rivulet:time_per_output_token_seconds_count", 2),
+    ("rivulet:request_generation_tokens_sum", generated),
+]:
+    moved = metric(after, name) - metric(before, name)
+    check(moved == delta, f"{name} moved by {moved}, expected {delta}")
+moved = metric(after, "rivulet:request_success_total", finished_reason="length") - metric(
+    before, "rivulet:request_success_total", finished_reason="length"
+)
+check(moved == 2, f"two requests finished by length: {moved}")
+# The second identical prompt was served from the prefix cache: queries and hits both moved.
+check(metric(after, "rivulet:prefix_cache_hits_total") > metric(before, "rivulet:prefix_cache_hits_total"), "cache hits")
+check(metric(after, "rivulet:iteration_tokens_total_count") > metric(before, "rivulet:iteration_tokens_total_count"), "steps")
+check(metric(after, "rivulet:num_requests_running") == 0 and metric(after, "rivulet:kv_cache_usage_perc") == 0, "idle")
+print("metrics: counters and histograms moved as expected")
+
+# --- completions, whole and streamed, equal to gRPC's greedy tokens
+completion = known[0]
+choice = completion.choices[0]
+check(choice.token_ids == expected["grpc_token_ids"], f"HTTP {choice.token_ids} != gRPC {expected['grpc_token_ids']}")
+check(choice.finish_reason == "length" and completion.object == "text_completion", str(completion))
+check(completion.usage.total_tokens == completion.usage.prompt_tokens + max_tokens, str(completion.usage))
+stream = client.completions.create(
+    model=model, prompt=prompt, stream=True, stream_options={"include_usage": True}, **greedy
+)
+text, ids, reasons, usage = "", [], [], None
+for chunk in stream:
+    if chunk.usage is not None:
+        check(chunk.choices == [], "the usage chunk has no choices")
+        usage = chunk.usage
+        continue
+    text += chunk.choices[0].text
+    ids += chunk.choices[0].token_ids or []
+    reasons.append(chunk.choices[0].finish_reason)
+check(ids == expected["grpc_token_ids"] and text == choice.text, f"streamed {ids} / {text!r}")
+check(reasons[-1] == "length" and all(r is None for r in reasons[:-1]), f"finish reasons {reasons}")
+check(usage is not None and usage.completion_tokens == max_tokens, f"usage chunk {usage}")
+print("completions: whole and streamed match gRPC")
+
+# --- logprobs in the completions shape
+with_logprobs = client.completions.create(model=model, prompt=prompt, logprobs=3, **greedy)
+lp = with_logprobs.choices[0].logprobs
+check(len(lp.tokens) == max_tokens and len(lp.token_logprobs) == max_tokens, str(lp))
+check(all(len(top) >= 1 for top in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs), str(lp))
+check(lp.text_offset == sorted(lp.text_offset), "text offsets ascend")
+
+# --- chat, whole and streamed, equal to gRPC's chat tokens
+chat_greedy = dict(greedy)
+chat = client.chat.completions.create(model=model, messages=expected["chat"], logprobs=True, top_logprobs=2, **chat_greedy)
+message = chat.choices[0]
+check(message.token_ids == expected["grpc_chat_token_ids"], f"chat {message.token_ids}")
+check(message.message.role == "assistant" and chat.object == "chat.completion", str(chat))
+check(len(message.logprobs.content) == max_tokens and len(message.logprobs.content[0].top_logprobs) == 2, "chat logprobs")
+pieces, roles = [], []
+for chunk in client.chat.completions.create(model=model, messages=expected["chat"], stream=True, **chat_greedy):
+    check(chunk.object == "chat.completion.chunk", chunk.object)
+    delta = chunk.choices[0].delta
+    roles.append(delta.role)
+    pieces.append(delta.content or "")
+check(roles[0] == "assistant" and "".join(pieces) == message.message.content, f"chat stream {pieces}")
+print("chat: whole and streamed match gRPC")
+
+# --- errors in OpenAI's shape
+try:
+    client.completions.create(model=model, prompt=prompt, temperature=-1)
+    check(False, "a negative temperature is refused")
+except openai.BadRequestError as error:
+    check(error.status_code == 400 and error.body["param"] == "temperature", f"{error.body}")
+try:
+    client.completions.create(model=model, prompt=prompt, n=2)
+    check(False, "n > 1 is refused")
+except openai.BadRequestError as error:
+    check(error.body["param"] == "n", f"{error.body}")
+try:
+    client.completions.create(model=model, prompt=prompt, extra_body={"guided_json": {}})
+    check(False, "an unknown parameter is refused")
+except openai.BadRequestError as error:
+    check("guided_json" in error.message, error.message)
+try:
+    client.completions.create(model="no-such-model", prompt=prompt)
+    check(False, "an unknown model is refused")
+except openai.NotFoundError as error:
+    check(error.body["code"] == "model_not_found", f"{error.body}")
+try:
+    openai.OpenAI(base_url=base_url + "/v1", api_key="wrong", max_retries=0).models.list()
+    check(False, "a wrong key is refused")
+except openai.AuthenticationError as error:
+    check(error.status_code == 401, str(error))
+# Health and metrics need no key; the request id comes back.
+request = urllib.request.Request(base_url + "/health", headers={"x-request-id": "probe-42"})
+with urllib.request.urlopen(request) as response:
+    check(response.status == 200 and response.headers["x-request-id"] == "probe-42", "health 200 with the id")
+raw = client.completions.with_raw_response.create(model=model, prompt=prompt, **greedy)
+check(len(raw.headers.get("x-request-id", "")) > 0, "a generated request id")
+print("errors, key and request ids: as specified")
