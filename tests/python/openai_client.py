@@ -51,7 +51,9 @@ check(len(models.data) == 1 and model, f"one served model: {models}")
 # --- metrics move by the right amounts after known requests (nothing else runs meanwhile)
 before = scrape()
 check(metric(before, "rivulet:workers", state="ready") == 1, "one ready worker")
-known = [client.completions.create(model=model, prompt=prompt, **greedy) for _ in range(2)]
+# A prompt of several KV blocks, twice: the second is served from the prefix cache.
+long_prompt = "A lighthouse keeper kept a log of every ship that passed the rocks. " * 6
+known = [client.completions.create(model=model, prompt=long_prompt, **greedy) for _ in range(2)]
 after = scrape()
 prompt_tokens = sum(c.usage.prompt_tokens for c in known)
 generated = sum(c.usage.completion_tokens for c in known)
@@ -78,7 +80,7 @@ check(metric(after, "rivulet:num_requests_running") == 0 and metric(after, "rivu
 print("metrics: counters and histograms moved as expected")
 
 # --- completions, whole and streamed, equal to gRPC's greedy tokens
-completion = known[0]
+completion = client.completions.create(model=model, prompt=prompt, **greedy)
 choice = completion.choices[0]
 check(choice.token_ids == expected["grpc_token_ids"], f"HTTP {choice.token_ids} != gRPC {expected['grpc_token_ids']}")
 check(choice.finish_reason == "length" and completion.object == "text_completion", str(completion))

@@ -16,7 +16,7 @@ pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
     pub kind: &'static str,
-    pub param: Option<&'static str>,
+    pub param: Option<String>,
     pub code: Option<&'static str>,
 }
 
@@ -26,23 +26,23 @@ impl ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
             kind: "invalid_request_error",
-            param: Some(param),
+            param: Some(param.to_owned()),
             code: None,
         }
     }
 
     /// A body that is not JSON or not of the expected shape; `path` is where serde stopped.
     pub fn malformed(path: String, problem: String) -> Self {
-        let message = if path.is_empty() || path == "." {
-            format!("the request body is not valid: {problem}")
-        } else {
-            format!("{path}: {problem}")
+        let top_level = path.split(['.', '[']).next().filter(|p| !p.is_empty()).map(str::to_owned);
+        let message = match &top_level {
+            None => format!("the request body is not valid: {problem}"),
+            Some(_) => format!("{path}: {problem}"),
         };
         Self {
             status: StatusCode::BAD_REQUEST,
             message,
             kind: "invalid_request_error",
-            param: None,
+            param: top_level,
             code: None,
         }
     }
@@ -83,7 +83,7 @@ impl ApiError {
                 status: StatusCode::NOT_FOUND,
                 message: error.to_string(),
                 kind: "invalid_request_error",
-                param: Some("model"),
+                param: Some("model".to_owned()),
                 code: Some("model_not_found"),
             },
             SubmitError::Engine(error) => Self::engine(&error),
