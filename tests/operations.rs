@@ -61,10 +61,7 @@ async fn health_key_request_ids_and_the_openai_front() {
 
     // gRPC: the key is required, the request id comes back.
     let mut client = server.client().await;
-    let refused = client
-        .generate(greedy_request("Hello", 2))
-        .await
-        .expect_err("no key");
+    let refused = client.generate(greedy_request("Hello", 2)).await.expect_err("no key");
     assert_eq!(refused.code(), Code::Unauthenticated);
     let mut request = with_key(greedy_request("The capital of France is", TOKENS));
     request

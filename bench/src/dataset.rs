@@ -4,7 +4,7 @@ use std::path::Path;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use rivulet_scheduler::tokenizer::ModelTokenizer;
+use rivulet_text::tokenizer::ModelTokenizer;
 
 /// One request of the workload.
 #[derive(Debug, Clone, PartialEq)]
@@ -18,7 +18,7 @@ pub struct BenchRequest {
 #[derive(Debug, thiserror::Error)]
 pub enum DatasetError {
     #[error("tokenizer: {0}")]
-    Tokenizer(#[from] rivulet_scheduler::tokenizer::TokenizerError),
+    Tokenizer(#[from] rivulet_text::tokenizer::TokenizerError),
     #[error("{path}: {source}")]
     Read { path: String, source: std::io::Error },
     #[error("{path} line {line}: {message}")]

@@ -21,7 +21,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use rivulet_scheduler::tokenizer::ModelTokenizer;
+use rivulet_text::tokenizer::ModelTokenizer;
 use serde::Serialize;
 
 use crate::arrivals::{arrival_offsets, RequestRate};

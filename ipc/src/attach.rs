@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 /// Bumped whenever the attach lines or the IPC messages change incompatibly.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The worker's first line.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -14,5 +14,5 @@ pub mod messages;
 pub mod step_buffer;
 
 pub use layout::{StepCapacity, StepHeader, StepLayout};
-pub use messages::{Bootstrap, ModelInfo, ReadyInfo, WorkerCommand, WorkerEvent};
+pub use messages::{Bootstrap, LoadProgress, ModelInfo, ReadyInfo, WorkerCommand, WorkerEvent};
 pub use step_buffer::{StepBuffer, StepBufferError};

@@ -25,6 +25,8 @@ pub enum WorkerCommand {
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum WorkerEvent {
+    /// Loading the model's weights: sent every few percent, before `Ready`.
+    LoadProgress(LoadProgress),
     /// Model loaded, KV cache allocated, warm-up iteration done.
     Ready(ReadyInfo),
     /// The step buffer is mapped; steps may be sent.
@@ -33,6 +35,21 @@ pub enum WorkerEvent {
     StepDone { step: u64, forward_micros: u64 },
     /// The worker could not carry out a command. `fatal` means it is exiting.
     Failed { message: String, fatal: bool },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LoadProgress {
+    pub tensors_loaded: u32,
+    pub tensors_total: u32,
+    pub bytes_loaded: u64,
+    pub bytes_total: u64,
+}
+
+impl LoadProgress {
+    /// Whole percent of the bytes loaded.
+    pub fn percent(&self) -> u32 {
+        (self.bytes_loaded.saturating_mul(100) / self.bytes_total.max(1)).min(100) as u32
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

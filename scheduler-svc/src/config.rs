@@ -213,7 +213,11 @@ impl Config {
             return name.clone();
         }
         let path = &self.model.path;
-        let name = if path.is_dir() { path.file_name() } else { path.file_stem() };
+        let name = if path.is_dir() {
+            path.file_name()
+        } else {
+            path.file_stem()
+        };
         name.map_or_else(|| "model".to_owned(), |n| n.to_string_lossy().into_owned())
     }
 

@@ -9,15 +9,15 @@
 //! - [`replica`]: one worker process and the state that lives and dies with it; its driver thread.
 //! - [`scheduler`]: planning each iteration (continuous batching, chunked prefill, preemption).
 //! - [`block_manager`]: paged KV block accounting.
-//! - [`completion`], [`detokenizer`], [`tokenizer`]: text in and out.
+//! - [`completion`] and `rivulet_text` ([`detokenizer`], [`tokenizer`], [`chat_template`]): text in and out.
 //! - [`worker_client`], [`step_writer`]: a worker process and its shared-memory step buffer.
 
 pub mod api;
+// The text side lives in its own crate (the benchmark uses it without the server).
+pub use rivulet_text::{chat_template, detokenizer, tokenizer};
 pub mod block_manager;
-pub mod chat_template;
 pub mod completion;
 pub mod config;
-pub mod detokenizer;
 pub mod engine;
 pub mod metrics;
 pub mod model_limits;
@@ -32,5 +32,4 @@ pub mod sequence;
 pub mod server;
 pub mod stats;
 pub mod step_writer;
-pub mod tokenizer;
 pub mod worker_client;

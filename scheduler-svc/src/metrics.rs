@@ -79,10 +79,7 @@ impl Metrics {
         };
         let kv_cache_usage_perc = Gauge::new(name("kv_cache_usage_perc"), "KV cache usage: 1 = 100% of blocks in use")?;
         registry.register(Box::new(kv_cache_usage_perc.clone()))?;
-        let workers = IntGaugeVec::new(
-            Opts::new(name("workers"), "Worker replicas by state"),
-            &["state"],
-        )?;
+        let workers = IntGaugeVec::new(Opts::new(name("workers"), "Worker replicas by state"), &["state"])?;
         registry.register(Box::new(workers.clone()))?;
         let request_success = IntCounterVec::new(
             Opts::new(name("request_success_total"), "Finished requests by finish reason"),
@@ -102,7 +99,10 @@ impl Metrics {
             )?,
             prefix_cache_hits: counter("prefix_cache_hits_total", "Prompt tokens served from the prefix cache")?,
             preemptions: counter("num_preemptions_total", "Sequences preempted (to be recomputed)")?,
-            worker_restarts: counter("worker_restarts_total", "Worker processes started again after one failed")?,
+            worker_restarts: counter(
+                "worker_restarts_total",
+                "Worker processes started again after one failed",
+            )?,
             request_success,
             time_to_first_token: histogram(
                 "time_to_first_token_seconds",
@@ -162,9 +162,7 @@ impl Metrics {
         self.kv_cache_usage_perc.set(usage);
         for state in ReplicaState::ALL {
             let count = stats.replicas.iter().filter(|r| r.state == state).count();
-            self.workers
-                .with_label_values(&[state.label()])
-                .set(count as i64);
+            self.workers.with_label_values(&[state.label()]).set(count as i64);
         }
         let mut text = Vec::new();
         TextEncoder::new().encode(&self.registry.gather(), &mut text)?;

@@ -8,8 +8,8 @@
 //! Health (`SERVING` / 200) follows the engine: true exactly while some worker replica is ready
 //! and the server is not shutting down. SIGINT/SIGTERM start a graceful shutdown of all three.
 
-use std::sync::Arc;
 use std::future::IntoFuture;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rivulet::proto;

@@ -6,7 +6,9 @@ use std::time::Instant;
 
 use ipc_channel::ipc::{self, IpcReceiver, IpcSender};
 use rivulet_gguf::GgufFile;
-use rivulet_ipc::{Bootstrap, ModelInfo, ReadyInfo, StepBuffer, StepCapacity, WorkerCommand, WorkerEvent};
+use rivulet_ipc::{
+    Bootstrap, LoadProgress, ModelInfo, ReadyInfo, StepBuffer, StepCapacity, WorkerCommand, WorkerEvent,
+};
 use tch::{Device, Kind, Tensor};
 
 use crate::attention::{AttentionPlan, SeqSlice};
@@ -43,7 +45,7 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn load(options: &WorkerOptions) -> Result<Self, WorkerError> {
+    pub fn load(options: &WorkerOptions, report: &mut dyn FnMut(LoadProgress)) -> Result<Self, WorkerError> {
         if let Some(threads) = options.threads {
             tch::set_num_threads(threads as i32);
         }
@@ -57,7 +59,7 @@ impl Worker {
         } else {
             let file = GgufFile::open(path)?;
             let config = ModelConfig::from_gguf(&file)?;
-            let weights = ModelWeights::load(&file, &config, device, kind)?;
+            let weights = ModelWeights::load_reporting(&file, &config, device, kind, report)?;
             let eos = eos_token_ids(&file);
             (config, weights, eos)
         };
@@ -232,7 +234,11 @@ pub fn serve(options: &WorkerOptions, server_name: &str) -> Result<(), WorkerErr
         .map_err(|e| WorkerError::Ipc(e.to_string()))?;
 
     let started = Instant::now();
-    let mut worker = match Worker::load(options).and_then(|w| w.warm_up().map(|()| w)) {
+    let mut report = |progress| {
+        // Progress is for show: a full channel or a gone scheduler shows up at `Ready`.
+        let _ = events.send(WorkerEvent::LoadProgress(progress));
+    };
+    let mut worker = match Worker::load(options, &mut report).and_then(|w| w.warm_up().map(|()| w)) {
         Ok(worker) => worker,
         Err(error) => {
             let _ = events.send(WorkerEvent::Failed {

@@ -5,7 +5,10 @@
 //! that layout and apply the matching interleaved rotary embedding ([`crate::rope`]), which gives
 //! the same attention scores as Hugging Face's rotate-half on the unpermuted weights.
 
+use std::cell::{Cell, RefCell};
+
 use rivulet_gguf::GgufFile;
+use rivulet_ipc::LoadProgress;
 use tch::{Device, Kind, Tensor};
 
 use crate::config::ModelConfig;
@@ -34,6 +37,9 @@ struct Loader<'a> {
     file: &'a GgufFile,
     device: Device,
     kind: Kind,
+    progress: Cell<LoadProgress>,
+    /// Told every few percent and at the end.
+    report: RefCell<&'a mut dyn FnMut(LoadProgress)>,
 }
 
 impl Loader<'_> {
@@ -47,13 +53,49 @@ impl Loader<'_> {
             ));
         }
         let tensor = Tensor::f_from_slice(&values)?.f_reshape(&shape)?;
-        Ok(tensor.f_to_kind(self.kind)?.f_to_device(self.device)?)
+        let tensor = tensor.f_to_kind(self.kind)?.f_to_device(self.device)?;
+        self.loaded(info.data_len);
+        Ok(tensor)
+    }
+
+    fn loaded(&self, bytes: u64) {
+        let mut progress = self.progress.get();
+        let before = progress.percent();
+        progress.tensors_loaded += 1;
+        progress.bytes_loaded += bytes;
+        self.progress.set(progress);
+        let done = progress.tensors_loaded == progress.tensors_total;
+        if done || progress.percent() / 5 != before / 5 {
+            (self.report.borrow_mut())(progress);
+        }
     }
 }
 
 impl ModelWeights {
     pub fn load(file: &GgufFile, config: &ModelConfig, device: Device, kind: Kind) -> Result<Self, WorkerError> {
-        let loader = Loader { file, device, kind };
+        Self::load_reporting(file, config, device, kind, &mut |_| {})
+    }
+
+    /// Loads, telling `report` how far it got every 5% of the bytes.
+    pub fn load_reporting(
+        file: &GgufFile,
+        config: &ModelConfig,
+        device: Device,
+        kind: Kind,
+        report: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Self, WorkerError> {
+        let total = LoadProgress {
+            tensors_total: file.tensors.len() as u32,
+            bytes_total: file.tensors.iter().map(|t| t.data_len).sum(),
+            ..LoadProgress::default()
+        };
+        let loader = Loader {
+            file,
+            device,
+            kind,
+            progress: Cell::new(total),
+            report: RefCell::new(report),
+        };
         let hidden = config.hidden_size as i64;
         let q_dim = (config.num_heads * config.head_dim) as i64;
         let kv_dim = config.kv_dim() as i64;

@@ -5,10 +5,10 @@ use rivulet::proto;
 use rivulet::proto::admin_server::Admin;
 use tonic::{Request, Response, Status};
 
+use super::grpc::engine_status;
 use crate::engine::EngineHandle;
 use crate::replica::{ReplicaOrigin, ReplicaSnapshot, ReplicaState};
 use crate::scheduler::SchedulingPolicy;
-use super::grpc::engine_status;
 use crate::stats::StatsSnapshot;
 
 pub struct AdminService {

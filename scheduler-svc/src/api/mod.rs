@@ -69,6 +69,12 @@ impl Frontend {
             tracing::info!(request_id = %id, %error, "request refused");
             error
         })?;
-        Ok(TrackedRequest::new(id, front, prompt_tokens, events, self.metrics.clone()))
+        Ok(TrackedRequest::new(
+            id,
+            front,
+            prompt_tokens,
+            events,
+            self.metrics.clone(),
+        ))
     }
 }

@@ -298,7 +298,10 @@ fn check(field: Field, value: f32, ok: bool, range: &str) -> Result<f32, Validat
     if value.is_finite() && ok {
         Ok(value)
     } else {
-        Err(ValidationError::invalid(field, format!("{value} is out of range: {range}")))
+        Err(ValidationError::invalid(
+            field,
+            format!("{value} is out of range: {range}"),
+        ))
     }
 }
 

@@ -84,7 +84,14 @@ pub fn start(
     };
     let max_queued = config.scheduler.max_queued_requests as usize;
     let stats = EngineStats::new(metrics);
-    let mut engine = Engine::new(config, tokenizer, limits.clone(), (inputs.clone(), input_rx), serving_tx, stats);
+    let mut engine = Engine::new(
+        config,
+        tokenizer,
+        limits.clone(),
+        (inputs.clone(), input_rx),
+        serving_tx,
+        stats,
+    );
     engine.attach_listener = attach_listener;
     for index in 0..engine.config.worker.replicas as usize {
         engine.add_replica(ReplicaOrigin::Spawned, WorkerSource::Spawn, index)?;

@@ -106,7 +106,12 @@ impl LiveReplica {
             .scheduler
             .plan(&mut self.running, &mut self.waiting, &mut self.blocks);
         let (queried, hit) = self.blocks.prefix_lookup_counts();
-        stats.record_plan(plan.num_tokens, plan.preempted, queried - queried_before, hit - hit_before);
+        stats.record_plan(
+            plan.num_tokens,
+            plan.preempted,
+            queried - queried_before,
+            hit - hit_before,
+        );
         if plan.seqs.is_empty() {
             // Nothing fits even alone (a cache smaller than validation assumed): never spin on it.
             if let Some(seq) = self.waiting.pop_front() {

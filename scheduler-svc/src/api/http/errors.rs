@@ -33,7 +33,11 @@ impl ApiError {
 
     /// A body that is not JSON or not of the expected shape; `path` is where serde stopped.
     pub fn malformed(path: String, problem: String) -> Self {
-        let top_level = path.split(['.', '[']).next().filter(|p| !p.is_empty()).map(str::to_owned);
+        let top_level = path
+            .split(['.', '['])
+            .next()
+            .filter(|p| !p.is_empty())
+            .map(str::to_owned);
         let message = match &top_level {
             None => format!("the request body is not valid: {problem}"),
             Some(_) => format!("{path}: {problem}"),

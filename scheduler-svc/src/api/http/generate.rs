@@ -259,7 +259,11 @@ impl ChoiceBuilder {
                     role: (!delta).then_some("assistant"),
                     content: (!delta || !text.is_empty()).then_some(text),
                 };
-                let (message, delta) = if delta { (None, Some(content)) } else { (Some(content), None) };
+                let (message, delta) = if delta {
+                    (None, Some(content))
+                } else {
+                    (Some(content), None)
+                };
                 Choice {
                     message,
                     delta,

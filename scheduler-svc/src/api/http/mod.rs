@@ -91,7 +91,11 @@ async fn metrics(State(state): State<HttpState>) -> Response {
         Err(error) => return ApiError::engine(&error).into_response(),
     };
     match state.front.metrics.render(&stats) {
-        Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response(),
+        Ok(text) => (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+            text,
+        )
+            .into_response(),
         Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
     }
 }

@@ -250,3 +250,83 @@ pub fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Res
         priority: priority(body.priority.as_deref())?,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(json: serde_json::Value) -> GenerationBody {
+        serde_json::from_value(json).expect("a valid body")
+    }
+
+    fn refused(endpoint: Endpoint, json: serde_json::Value) -> Option<String> {
+        to_draft(endpoint, "id".to_owned(), body(json))
+            .err()
+            .and_then(|e| e.param)
+    }
+
+    #[test]
+    fn each_endpoint_takes_its_own_shape_and_names_what_it_refuses() {
+        let draft = to_draft(
+            Endpoint::Completions,
+            "id".to_owned(),
+            body(serde_json::json!({"prompt": [[1, 2, 3]], "logprobs": 2, "max_tokens": 5, "stop": "x"})),
+        )
+        .expect("completions");
+        assert_eq!(draft.prompt, Prompt::TokenIds(vec![1, 2, 3]));
+        assert_eq!((draft.sampling.logprobs, draft.sampling.top_logprobs), (true, 2));
+        assert_eq!(draft.stopping.max_new_tokens, Some(5));
+        assert_eq!(draft.stopping.stop, vec!["x".to_owned()]);
+
+        let chat = to_draft(
+            Endpoint::Chat,
+            "id".to_owned(),
+            body(serde_json::json!({
+                "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}],
+                "logprobs": true, "top_logprobs": 3, "max_completion_tokens": 7
+            })),
+        )
+        .expect("chat");
+        let Prompt::Messages(messages) = chat.prompt else {
+            panic!("messages")
+        };
+        assert_eq!(
+            (messages[0].role.as_str(), messages[0].content.as_str()),
+            ("system", "Be brief.")
+        );
+        assert_eq!((chat.sampling.top_logprobs, chat.stopping.max_new_tokens), (3, Some(7)));
+
+        let p = |s: &str| Some(s.to_owned());
+        assert_eq!(refused(Endpoint::Chat, serde_json::json!({"prompt": "x"})), p("prompt"));
+        assert_eq!(
+            refused(Endpoint::Completions, serde_json::json!({"prompt": "x", "n": 2})),
+            p("n")
+        );
+        assert_eq!(
+            refused(Endpoint::Completions, serde_json::json!({"prompt": ["a", "b"]})),
+            p("prompt")
+        );
+        assert_eq!(
+            refused(
+                Endpoint::Completions,
+                serde_json::json!({"prompt": "x", "logprobs": true})
+            ),
+            p("logprobs")
+        );
+        assert_eq!(
+            refused(
+                Endpoint::Chat,
+                serde_json::json!({"messages": [], "tools": [{"type": "function"}]})
+            ),
+            p("tools")
+        );
+        assert_eq!(
+            refused(
+                Endpoint::Chat,
+                serde_json::json!({"messages": [], "priority": "urgent"})
+            ),
+            p("priority")
+        );
+        assert!(serde_json::from_value::<GenerationBody>(serde_json::json!({"prompt": "x", "best_of_n": 2})).is_err());
+    }
+}

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 use rivulet_gguf::GgufFile;
-use rivulet_scheduler::tokenizer::ModelTokenizer;
+use rivulet_text::tokenizer::ModelTokenizer;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
