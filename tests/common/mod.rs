@@ -70,6 +70,8 @@ impl TestServer {
                 "RUST_LOG",
                 std::env::var("RIVULET_TEST_LOG").unwrap_or_else(|_| "warn".to_owned()),
             )
+            // The tests' own variable is not the server's setting (figment would refuse it).
+            .env_remove("RIVULET_TEST_LOG")
             .env("RIVULET_CONFIG", "/nonexistent/rivulet.toml")
             .env("RIVULET_SERVER__LISTEN", "127.0.0.1:0")
             .env("RIVULET_SERVER__HTTP_LISTEN", "127.0.0.1:0")
