@@ -1,6 +1,6 @@
 //! The operational surface, as a user and an operator meet it, on one server with an API key:
 //! health while the model loads and while a killed worker is replaced (gRPC and `/health`), the
-//! key on both fronts, request ids, and the OpenAI-compatible front and `/metrics` driven by the
+//! key on both fronts, request ids, JSON logs from the scheduler and its workers, and the OpenAI-compatible front and `/metrics` driven by the
 //! real `openai` package and Prometheus' own text parser (`tests/python/openai_client.py`).
 
 mod common;
@@ -52,7 +52,15 @@ fn chat_request() -> GenerateRequest {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn health_key_request_ids_and_the_openai_front() {
-    let server = TestServer::start_without_waiting_for_workers(&[("RIVULET_SERVER__API_KEY", KEY)]);
+    let log = std::env::temp_dir().join(format!("rivulet-operations-{}.log", std::process::id()));
+    let server = TestServer::start_logging_to(
+        &[
+            ("RIVULET_SERVER__API_KEY", KEY),
+            ("RIVULET_SERVER__JSON_LOGS", "true"),
+            ("RUST_LOG", "info"),
+        ],
+        &log,
+    );
     // The ports are open at once; the worker is still loading the model.
     assert_eq!(server.health().await, ServingStatus::NotServing);
     assert_eq!(http_status(&server.http_address, "/health"), 503);
@@ -137,4 +145,25 @@ async fn health_key_request_ids_and_the_openai_front() {
             .any(|line| line.starts_with("rivulet:worker_restarts_total") && line.ends_with(" 1")),
         "{metrics}"
     );
+
+    // One log format for the pod: the scheduler's lines and its workers' are all JSON; each
+    // request left one summary line with its id.
+    let text = std::fs::read_to_string(&log).expect("the server's log");
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|_| panic!("not a JSON log line: {line}")))
+        .collect();
+    let target = |line: &serde_json::Value| line["target"].as_str().unwrap_or("").to_owned();
+    assert!(
+        lines.iter().any(|l| target(l).starts_with("rivulet_worker")),
+        "no worker lines"
+    );
+    let summary = lines
+        .iter()
+        .find(|l| l["fields"]["request_id"] == "my-request-7" && l["fields"]["message"] == "request finished")
+        .unwrap_or_else(|| panic!("no summary line for my-request-7 in {text}"));
+    assert_eq!(summary["fields"]["generated_tokens"], TOKENS);
+    assert_eq!(summary["fields"]["finish_reason"], "length");
+    let _ = std::fs::remove_file(&log);
 }

@@ -292,6 +292,28 @@ impl Config {
 mod tests {
     use super::*;
 
+    /// `rivulet.example.toml` (shown by `--help`) names every setting and states the true defaults.
+    #[test]
+    fn the_example_file_lists_every_setting_with_its_default() {
+        let example = include_str!("../../rivulet.example.toml");
+        let parsed: Config = Figment::from(Serialized::defaults(Config::default()))
+            .merge(Toml::string(example))
+            .extract()
+            .expect("the example parses");
+        assert_eq!(parsed, Config::default(), "the example's values are the defaults");
+        let defaults = serde_json::to_value(Config::default()).expect("serializable");
+        let sections = defaults.as_object().expect("sections");
+        for (section, keys) in sections {
+            assert!(example.contains(&format!("[{section}]")), "[{section}] missing");
+            for key in keys.as_object().expect("keys").keys() {
+                let shown = example
+                    .lines()
+                    .any(|line| line.trim_start_matches("# ").starts_with(&format!("{key} =")));
+                assert!(shown, "{section}.{key} is not in rivulet.example.toml");
+            }
+        }
+    }
+
     #[test]
     #[allow(clippy::result_large_err)] // figment::Jail's closure signature, not ours
     fn environment_overrides_nested_keys_and_errors_name_the_key() {

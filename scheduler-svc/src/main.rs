@@ -11,8 +11,13 @@ use rivulet_scheduler::config::{Config, Overrides};
 #[command(
     version,
     about = "Rivulet LLM inference server",
-    after_help = "Every setting (README, \"Configuration\") can be set in the configuration file or as \
-                  RIVULET_<SECTION>__<KEY> (e.g. RIVULET_WORKER__REPLICAS=2); the flags above win over both."
+    after_help = "Every setting can be set in the configuration file or as RIVULET_<SECTION>__<KEY> \
+                  (e.g. RIVULET_WORKER__REPLICAS=2); the flags above win over both. --help lists them all.",
+    after_long_help = concat!(
+        "Every setting can be set in the configuration file or as RIVULET_<SECTION>__<KEY>; the flags \
+         above win over both. All settings, with their defaults (rivulet.example.toml):\n\n",
+        include_str!("../../rivulet.example.toml")
+    )
 )]
 struct Args {
     /// Configuration file (default: $RIVULET_CONFIG or ./rivulet.toml, when present).

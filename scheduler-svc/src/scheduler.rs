@@ -269,6 +269,7 @@ fn make_room(
             .unwrap_or(index);
         let mut seq = running.remove(victim);
         seq.release_kv(blocks);
+        tracing::debug!(request_id = %seq.request.id, "preempted (to be recomputed)");
         waiting.push_front(seq);
         plan.preempted += 1;
         if victim == index {

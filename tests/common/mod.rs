@@ -48,15 +48,21 @@ pub struct TestServer {
 impl TestServer {
     /// Starts the server with test-sized defaults plus `env` overrides (`RIVULET_*` variables).
     pub fn start(env: &[(&str, &str)]) -> Self {
-        Self::launch(env, true)
+        Self::launch(env, true, None)
     }
 
     /// Starts a server whose workers will attach later: `client()` does not wait for one.
     pub fn start_without_waiting_for_workers(env: &[(&str, &str)]) -> Self {
-        Self::launch(env, false)
+        Self::launch(env, false, None)
     }
 
-    fn launch(env: &[(&str, &str)], wait_for_worker: bool) -> Self {
+    /// Like `start_without_waiting_for_workers`, with the server's log (its workers' too) written
+    /// to `log` instead of the test's output.
+    pub fn start_logging_to(env: &[(&str, &str)], log: &std::path::Path) -> Self {
+        Self::launch(env, false, Some(log))
+    }
+
+    fn launch(env: &[(&str, &str)], wait_for_worker: bool, log: Option<&std::path::Path>) -> Self {
         let scheduler = binary("rivulet-scheduler");
         assert!(
             scheduler.exists(),
@@ -81,6 +87,9 @@ impl TestServer {
             .env("RIVULET_WORKER__KV_CACHE_MEMORY", (256u64 << 20).to_string())
             .env("RIVULET_WORKER__BINARY", binary("rivulet-worker"))
             .stdout(Stdio::piped());
+        if let Some(log) = log {
+            command.stderr(std::fs::File::create(log).expect("create the log file"));
+        }
         for (key, value) in env {
             command.env(key, value);
         }

@@ -9,7 +9,7 @@ EXPECTED_JSON: {"prompt": str, "max_tokens": int, "grpc_token_ids": [int],
 
 import json
 import sys
-import urllib.error
+import time
 import urllib.request
 
 import openai
@@ -158,3 +158,25 @@ with urllib.request.urlopen(request) as response:
 raw = client.completions.with_raw_response.create(model=model, prompt=prompt, **greedy)
 check(len(raw.headers.get("x-request-id", "")) > 0, "a generated request id")
 print("errors, key and request ids: as specified")
+
+# --- a client that goes away cancels its request: it ends as `abort` and frees its KV blocks
+before = scrape()
+stream = client.completions.create(
+    model=model, prompt=long_prompt, stream=True, temperature=0.0, max_tokens=500, extra_body={"ignore_eos": True}
+)
+next(iter(stream))
+stream.close()
+deadline = time.monotonic() + 30
+while True:
+    now = scrape()
+    aborted = metric(now, "rivulet:request_success_total", finished_reason="abort") - metric(
+        before, "rivulet:request_success_total", finished_reason="abort"
+    )
+    idle = metric(now, "rivulet:num_requests_running") == 0 and metric(now, "rivulet:kv_cache_usage_perc") == 0
+    if aborted == 1 and idle:
+        break
+    check(time.monotonic() < deadline, f"the abandoned stream was not cancelled: aborted {aborted}, idle {idle}")
+    time.sleep(0.2)
+generated = metric(now, "rivulet:generation_tokens_total") - metric(before, "rivulet:generation_tokens_total")
+check(generated < 500, f"generation stopped early: {generated} tokens")
+print("disconnect: cancelled, blocks freed")

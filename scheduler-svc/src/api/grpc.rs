@@ -107,6 +107,7 @@ fn to_draft(id: String, request: proto::GenerateRequest) -> Result<RequestDraft,
         },
         stopping: StoppingDraft {
             max_new_tokens: stopping.max_new_tokens,
+            default_to_rest_of_context: false,
             ignore_eos: stopping.ignore_eos,
             stop: stopping.stop,
             stop_token_ids: stopping.stop_token_ids,

@@ -47,6 +47,9 @@ pub struct SamplingDraft {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StoppingDraft {
     pub max_new_tokens: Option<u32>,
+    /// Without `max_new_tokens`: generate up to the end of the model's context (OpenAI's chat)
+    /// rather than the server's `default_max_new_tokens`.
+    pub default_to_rest_of_context: bool,
     pub ignore_eos: bool,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
@@ -230,7 +233,18 @@ impl Validator {
 
     fn stopping_params(&self, stopping: StoppingDraft, prompt_len: usize) -> Result<StoppingParams, ValidationError> {
         let max_model_len = self.limits.max_model_len as usize;
-        let max_new_tokens = stopping.max_new_tokens.unwrap_or(self.default_max_new_tokens);
+        let max_new_tokens = match stopping.max_new_tokens {
+            Some(max) => max,
+            None if stopping.default_to_rest_of_context => {
+                let room = max_model_len.saturating_sub(prompt_len);
+                let room = match self.limits.kv_capacity_tokens() {
+                    Some(capacity) => room.min(capacity.saturating_sub(prompt_len)),
+                    None => room,
+                };
+                room.clamp(1, u32::MAX as usize) as u32
+            }
+            None => self.default_max_new_tokens,
+        };
         if max_new_tokens == 0 {
             return Err(ValidationError::invalid(Field::MaxNewTokens, "must be at least 1"));
         }

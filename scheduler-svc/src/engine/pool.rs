@@ -158,6 +158,7 @@ impl Engine {
         }
         let now = Instant::now();
         for mut seq in sequences.into_iter().rev() {
+            tracing::debug!(request_id = %seq.request.id, replica = from, "rerouted");
             seq.unrouted_since = Some(now);
             self.unrouted.push_front(seq);
         }

@@ -180,7 +180,7 @@ impl LiveReplica {
                 let keep = !seq.is_abandoned();
                 if !keep {
                     seq.release_kv(blocks);
-                    tracing::debug!(id = seq.id, "cancelled");
+                    tracing::debug!(request_id = %seq.request.id, "cancelled");
                 }
                 keep
             });

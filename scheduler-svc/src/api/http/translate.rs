@@ -240,6 +240,8 @@ pub fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Res
         },
         stopping: StoppingDraft {
             max_new_tokens: body.max_tokens.or(body.max_completion_tokens),
+            // vLLM's defaults: completions take the server's default, chat the rest of the context.
+            default_to_rest_of_context: endpoint == Endpoint::Chat,
             ignore_eos: body.ignore_eos,
             stop: body.stop.map(|stop| stop.into_vec()).unwrap_or_default(),
             stop_token_ids: body.stop_token_ids,
