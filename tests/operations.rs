@@ -99,6 +99,24 @@ async fn health_key_request_ids_and_the_openai_front() {
     assert_eq!(http_status(&server.http_address, "/metrics"), 200);
     assert_eq!(http_status(&server.http_address, "/v1/models"), 401);
 
+    // Python's grpcio-reflection client (reflection v1alpha) lists what each listener serves.
+    for (address, expected) in [
+        (&server.address, "rivulet.v1.Generation"),
+        (&server.admin_address, "rivulet.v1.Admin"),
+    ] {
+        let output = Command::new(root().join(".venv/bin/python"))
+            .arg(root().join("tests/python/reflection_client.py"))
+            .arg(address)
+            .output()
+            .expect("run tests/python/reflection_client.py (scripts/setup.sh --test installs grpcio-reflection)");
+        let listed = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success() && listed.lines().any(|s| s == expected),
+            "{expected} not listed at {address}: {listed}\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
     // The OpenAI front, through the real client.
     let expected = serde_json::json!({
         "prompt": "The capital of France is",
