@@ -211,10 +211,15 @@ impl BlockManager {
             found.hashes.push(hash);
         }
         found.tokens = found.blocks.len() * self.block_size as usize;
-        if self.config.prefix_cache && !tokens.is_empty() {
-            self.cache.record_lookup(tokens.len(), found.tokens);
-        }
         found
+    }
+
+    /// Counts a prompt's lookup for the hit rate: once per request, at its first admission (a
+    /// refused or preempted sequence matches again without being a new query).
+    pub fn record_prefix_lookup(&mut self, prompt_tokens: usize, hit_tokens: usize) {
+        if self.config.prefix_cache && prompt_tokens > 0 {
+            self.cache.record_lookup(prompt_tokens, hit_tokens);
+        }
     }
 
     /// (chain hash, block) of the longest run of cached full blocks that starts `tokens`, leaving
@@ -318,6 +323,7 @@ mod tests {
         let hit = blocks.match_prefix(&tokens);
         assert_eq!(hit.blocks, first[..2]);
         assert_eq!(hit.tokens, 4);
+        blocks.record_prefix_lookup(tokens.len(), hit.tokens);
         blocks.release(&mut first);
         assert_eq!(
             blocks.num_used(),
@@ -333,6 +339,7 @@ mod tests {
         // A prompt that is exactly the cached blocks still leaves its last token to compute.
         let whole = blocks.match_prefix(&tokens[..4]);
         assert_eq!(whole.tokens, 2);
+        blocks.record_prefix_lookup(4, whole.tokens);
         assert!((blocks.prefix_cache_hit_rate() - 6.0 / 9.0).abs() < 1e-9);
     }
 

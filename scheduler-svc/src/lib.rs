@@ -1,4 +1,4 @@
-//! Rivulet's scheduler service: the gRPC front end and the engine loop that owns tokenization,
+//! Rivulet's scheduler service: the gRPC and OpenAI-compatible HTTP fronts and the engine loop that owns tokenization,
 //! queueing, scheduling, paged KV accounting and completion. See `../shared/DESIGN.md`.
 //!
 //! - [`server`]: assembling the listeners (gRPC, OpenAI-compatible HTTP, admin) and shutdown.
@@ -19,6 +19,7 @@ pub mod block_manager;
 pub mod completion;
 pub mod config;
 pub mod engine;
+pub mod load_progress;
 pub mod metrics;
 pub mod model_limits;
 pub mod output_text;

@@ -48,6 +48,7 @@ pub struct Metrics {
     request_success: IntCounterVec,
     pub time_to_first_token: Histogram,
     pub time_per_output_token: Histogram,
+    pub request_time_per_output_token: Histogram,
     pub e2e_request_latency: Histogram,
     pub request_queue_time: Histogram,
     pub request_prompt_tokens: Histogram,
@@ -91,7 +92,7 @@ impl Metrics {
             num_requests_waiting: gauge("num_requests_waiting", "Requests waiting to be scheduled")?,
             kv_cache_usage_perc,
             workers,
-            prompt_tokens: counter("prompt_tokens_total", "Prompt tokens prefilled")?,
+            prompt_tokens: counter("prompt_tokens_total", "Prompt tokens of requests that produced a token")?,
             generation_tokens: counter("generation_tokens_total", "Tokens generated")?,
             prefix_cache_queries: counter(
                 "prefix_cache_queries_total",
@@ -111,7 +112,12 @@ impl Metrics {
             )?,
             time_per_output_token: histogram(
                 "time_per_output_token_seconds",
-                "Mean time between a request's output tokens after the first",
+                "Time before each output token after a request's first (inter-token latency)",
+                latency_buckets(),
+            )?,
+            request_time_per_output_token: histogram(
+                "request_time_per_output_token_seconds",
+                "Per request: mean time per output token after the first",
                 latency_buckets(),
             )?,
             e2e_request_latency: histogram(

@@ -235,6 +235,7 @@ fn admit(
     let first_time = seq.queue_ticket.take().is_some();
     if first_time {
         seq.queue_time = Some(seq.submitted_at.elapsed());
+        blocks.record_prefix_lookup(seq.prompt_len(), seq.cached_prompt_tokens);
     }
     running.push(seq);
     Some((num_tokens, first_time))

@@ -40,6 +40,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let limits = ModelLimits::read(&config.model.path, tokenizer.vocab_size(), config.model.max_model_len)?;
     let served_model_name = config.served_model_name();
     let metrics = Arc::new(Metrics::new(&served_model_name)?);
+    // Bound before any worker starts: a taken port fails the start with nothing to clean up.
+    let grpc_listener = TcpListener::bind(config.server.listen).await?;
+    let http_listener = TcpListener::bind(config.server.http_listen).await?;
+    let admin_listener = TcpListener::bind(config.server.admin_listen).await?;
     let (engine, engine_thread) = engine::start(config.clone(), tokenizer.clone(), limits, metrics.clone())?;
     let front = Frontend {
         validator: Arc::new(Validator {
@@ -54,9 +58,6 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     };
     let api_key = ApiKey::new(config.server.api_key.as_deref());
 
-    let grpc_listener = TcpListener::bind(config.server.listen).await?;
-    let http_listener = TcpListener::bind(config.server.http_listen).await?;
-    let admin_listener = TcpListener::bind(config.server.admin_listen).await?;
     let (grpc_address, http_address, admin_address) = (
         grpc_listener.local_addr()?,
         http_listener.local_addr()?,
@@ -129,16 +130,38 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let http_state = HttpState {
         front,
         api_key,
-        created: http::generate::unix_seconds(),
+        created: http::unix_seconds(),
     };
     let http = axum::serve(http_listener, http::router(http_state))
         .with_graceful_shutdown(shutdown.clone().cancelled_owned())
         .into_future();
     drop(engine);
-    let (grpc, admin, http) = tokio::join!(grpc, admin, http);
-    grpc?;
-    admin?;
-    http?;
+    // One listener failing stops the others; after shutdown began, connections that never end
+    // (a health `Watch`, a stalled stream) are cut once the drain time is over.
+    let stop_all = |result| {
+        shutdown.cancel();
+        result
+    };
+    let servers = async {
+        tokio::join!(
+            async { stop_all(grpc.await.map_err(anyhow::Error::from)) },
+            async { stop_all(admin.await.map_err(anyhow::Error::from)) },
+            async { stop_all(http.await.map_err(anyhow::Error::from)) },
+        )
+    };
+    let grace = Duration::from_secs(config.server.shutdown_timeout_secs) + Duration::from_secs(5);
+    let cut_off = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(grace).await;
+    };
+    tokio::select! {
+        (grpc, admin, http) = servers => {
+            grpc?;
+            admin?;
+            http?;
+        }
+        () = cut_off => tracing::warn!("connections still open after the drain time; closing them"),
+    }
 
     tracing::info!("servers stopped; waiting for the engine to finish");
     // Every engine handle is gone with the services, so the engine stops its workers and exits.

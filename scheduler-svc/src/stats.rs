@@ -68,14 +68,19 @@ impl EngineStats {
         self.metrics.generation_tokens.inc_by(tokens);
     }
 
-    /// A planned step: its size, the sequences it preempted and its prefix-cache lookups.
-    pub fn record_plan(&mut self, tokens: usize, preempted: usize, prefix_queried: u64, prefix_hit: u64) {
-        self.iterations += 1;
+    /// What planning a step did besides the step: sequences it preempted, prompts it looked up
+    /// in the prefix cache (at their first admission).
+    pub fn record_planning(&mut self, prefix_queried: u64, prefix_hit: u64, preempted: usize) {
         self.num_preemptions += preempted as u64;
-        self.metrics.iteration_tokens.observe(tokens as f64);
         self.metrics.preemptions.inc_by(preempted as u64);
         self.metrics.prefix_cache_queries.inc_by(prefix_queried);
         self.metrics.prefix_cache_hits.inc_by(prefix_hit);
+    }
+
+    /// A step handed to its worker, of `tokens` tokens.
+    pub fn record_step_planned(&mut self, tokens: usize) {
+        self.iterations += 1;
+        self.metrics.iteration_tokens.observe(tokens as f64);
     }
 
     /// One iteration's timing: `step` from planning until its outputs were applied, `forward` the

@@ -6,7 +6,7 @@
 //! command sender and event receiver, loads, and reports `Ready`; the scheduler then creates the
 //! shared-memory step buffer sized from the reported model and attaches the worker to it.
 
-use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Child, Command};
@@ -18,10 +18,11 @@ use ipc_channel::ipc::{IpcOneShotServer, IpcReceiver, IpcSender};
 use ipc_channel::TryRecvError;
 
 use rivulet_ipc::attach::{AttachAssignment, AttachHello, AttachReply, KvCacheBudget, PROTOCOL_VERSION};
-use rivulet_ipc::{Bootstrap, LoadProgress, ReadyInfo, StepBuffer, StepCapacity, WorkerCommand, WorkerEvent};
+use rivulet_ipc::{Bootstrap, ReadyInfo, StepBuffer, StepCapacity, WorkerCommand, WorkerEvent};
 use thiserror::Error;
 
 use crate::config::Config;
+use crate::load_progress::LoadShown;
 
 /// An attach hello is a few dozen bytes; anything far longer is not a worker.
 const MAX_HELLO_BYTES: usize = 64 * 1024;
@@ -497,57 +498,6 @@ fn recv_event(
                 let status = process.exit_status().unwrap_or_else(|| format!("{error:?}"));
                 return Err(WorkerClientError::Exited(status));
             }
-        }
-    }
-}
-
-/// How a worker's model load is shown: a progress bar when the log is a terminal (and not JSON),
-/// else a log line every quarter, so a slow load (a big model, a cold disk) is visible without
-/// flooding the log.
-struct LoadShown {
-    last_quarter: Option<u32>,
-    bar: Option<indicatif::ProgressBar>,
-    terminal: bool,
-}
-
-impl LoadShown {
-    fn new(json_logs: bool) -> Self {
-        Self {
-            last_quarter: None,
-            bar: None,
-            terminal: !json_logs && std::io::stderr().is_terminal(),
-        }
-    }
-
-    fn show(&mut self, pid: u32, progress: LoadProgress) {
-        let tensors = format!("{}/{} tensors", progress.tensors_loaded, progress.tensors_total);
-        if self.terminal {
-            let bar = self.bar.get_or_insert_with(|| {
-                let style = indicatif::ProgressStyle::with_template(
-                    "worker {prefix} loading the model [{bar:30}] {bytes}/{total_bytes} {msg}",
-                )
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
-                let bar = indicatif::ProgressBar::new(progress.bytes_total).with_style(style);
-                bar.set_prefix(pid.to_string());
-                bar
-            });
-            bar.set_position(progress.bytes_loaded);
-            bar.set_message(tensors);
-            if progress.tensors_loaded == progress.tensors_total {
-                bar.finish_and_clear();
-            }
-            return;
-        }
-        let quarter = progress.percent() / 25;
-        if self.last_quarter.is_none_or(|last| quarter > last) {
-            self.last_quarter = Some(quarter);
-            tracing::info!(
-                worker_pid = pid,
-                percent = progress.percent(),
-                tensors,
-                megabytes = format!("{}/{}", progress.bytes_loaded >> 20, progress.bytes_total >> 20),
-                "loading the model"
-            );
         }
     }
 }

@@ -64,7 +64,8 @@ for name, delta in [
     ("rivulet:time_to_first_token_seconds_count", 2),
     ("rivulet:e2e_request_latency_seconds_count", 2),
     ("rivulet:request_queue_time_seconds_count", 2),
-    ("rivulet:time_per_output_token_seconds_count", 2),
+    ("rivulet:request_time_per_output_token_seconds_count", 2),
+    ("rivulet:time_per_output_token_seconds_count", generated - 2),
     ("rivulet:request_generation_tokens_sum", generated),
 ]:
     moved = metric(after, name) - metric(before, name)

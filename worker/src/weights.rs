@@ -125,6 +125,12 @@ impl ModelWeights {
             Some(_) => loader.load("output.weight", &[vocab, hidden])?,
             None => token_embedding.shallow_clone(),
         };
+        // The file may hold tensors the model does not use (e.g. `rope_freqs`): what was loaded
+        // is the whole.
+        let mut done = loader.progress.get();
+        done.tensors_total = done.tensors_loaded;
+        done.bytes_total = done.bytes_loaded;
+        (loader.report.borrow_mut())(done);
         Ok(Self {
             token_embedding,
             layers,

@@ -17,7 +17,6 @@ use thiserror::Error;
 use crate::engine::EngineHandle;
 use crate::metrics::Metrics;
 use crate::request::EngineError;
-use crate::tokenizer::ModelTokenizer;
 use tracking::TrackedRequest;
 use validation::{RequestDraft, ValidationError, Validator};
 
@@ -51,10 +50,6 @@ pub struct Frontend {
 }
 
 impl Frontend {
-    pub fn tokenizer(&self) -> &ModelTokenizer {
-        &self.validator.tokenizer
-    }
-
     pub fn served_model_name(&self) -> &str {
         &self.validator.served_model_name
     }
@@ -62,8 +57,11 @@ impl Frontend {
     /// Validates `draft` and queues it; its events arrive on the returned stream. Dropping the
     /// stream cancels the request.
     pub fn submit(&self, draft: RequestDraft, front: &'static str) -> Result<TrackedRequest, SubmitError> {
-        let request = self.validator.validate(draft)?;
-        let id = request.id.clone();
+        let id = draft.id.clone();
+        let request = self.validator.validate(draft).map_err(|error| {
+            tracing::info!(request_id = %id, %error, "request refused");
+            error
+        })?;
         let prompt_tokens = request.prompt_ids.len();
         let events = self.engine.submit(request).map_err(|error| {
             tracing::info!(request_id = %id, %error, "request refused");

@@ -12,7 +12,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::Stream;
 
 use crate::metrics::Metrics;
-use crate::request::{FinishReason, SequenceEvent};
+use crate::request::{EngineError, FinishReason, SequenceEvent};
 
 /// OpenAI's (and vLLM's metrics') word for a finish reason.
 pub fn openai_finish_reason(reason: FinishReason) -> &'static str {
@@ -31,6 +31,7 @@ pub struct TrackedRequest {
     prompt_tokens: usize,
     submitted: Instant,
     first_token: Option<Instant>,
+    last_token: Option<Instant>,
     generated: usize,
     /// Set once the last event went past: what the summary line reports.
     outcome: Option<&'static str>,
@@ -52,6 +53,7 @@ impl TrackedRequest {
             prompt_tokens,
             submitted: Instant::now(),
             first_token: None,
+            last_token: None,
             generated: 0,
             outcome: None,
         }
@@ -66,12 +68,25 @@ impl TrackedRequest {
             SequenceEvent::Tokens { token_ids, .. } | SequenceEvent::Finished { token_ids, .. } => token_ids.len(),
             SequenceEvent::Failed(_) => 0,
         };
-        if new_tokens > 0 && self.first_token.is_none() {
-            self.first_token = Some(Instant::now());
-            self.metrics
-                .time_to_first_token
-                .observe(self.submitted.elapsed().as_secs_f64());
-            self.metrics.prompt_tokens.inc_by(self.prompt_tokens as u64);
+        if new_tokens > 0 {
+            let now = Instant::now();
+            match self.last_token {
+                None => {
+                    self.first_token = Some(now);
+                    self.metrics
+                        .time_to_first_token
+                        .observe(self.submitted.elapsed().as_secs_f64());
+                    self.metrics.prompt_tokens.inc_by(self.prompt_tokens as u64);
+                }
+                Some(last) => {
+                    // vLLM's per-token figure: the gap before each output token after the first.
+                    let gap = (now - last).as_secs_f64() / new_tokens as f64;
+                    for _ in 0..new_tokens {
+                        self.metrics.time_per_output_token.observe(gap);
+                    }
+                }
+            }
+            self.last_token = Some(now);
         }
         self.generated += new_tokens;
         match event {
@@ -85,7 +100,7 @@ impl TrackedRequest {
                 metrics.request_generation_tokens.observe(self.generated as f64);
                 if let (Some(first), true) = (self.first_token, self.generated > 1) {
                     let per_token = first.elapsed() / (self.generated as u32 - 1);
-                    metrics.time_per_output_token.observe(per_token.as_secs_f64());
+                    metrics.request_time_per_output_token.observe(per_token.as_secs_f64());
                 }
                 self.finish(openai_finish_reason(*reason));
             }
@@ -118,7 +133,13 @@ impl Stream for TrackedRequest {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<SequenceEvent>> {
         let this = &mut *self;
-        let polled = this.events.poll_recv(cx);
+        let polled = match this.events.poll_recv(cx) {
+            // The engine let go without a last event (it stopped): a failure, said once.
+            Poll::Ready(None) if this.outcome.is_none() => {
+                Poll::Ready(Some(SequenceEvent::Failed(EngineError::ShuttingDown)))
+            }
+            polled => polled,
+        };
         if let Poll::Ready(Some(event)) = &polled {
             this.observe(event);
         }

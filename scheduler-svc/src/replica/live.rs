@@ -106,12 +106,7 @@ impl LiveReplica {
             .scheduler
             .plan(&mut self.running, &mut self.waiting, &mut self.blocks);
         let (queried, hit) = self.blocks.prefix_lookup_counts();
-        stats.record_plan(
-            plan.num_tokens,
-            plan.preempted,
-            queried - queried_before,
-            hit - hit_before,
-        );
+        stats.record_planning(queried - queried_before, hit - hit_before, plan.preempted);
         if plan.seqs.is_empty() {
             // Nothing fits even alone (a cache smaller than validation assumed): never spin on it.
             if let Some(seq) = self.waiting.pop_front() {
@@ -127,6 +122,7 @@ impl LiveReplica {
         }
         let mut buffer = self.buffer.take()?;
         self.last_step += 1;
+        stats.record_step_planned(plan.num_tokens);
         write_step(
             &mut buffer,
             self.last_step,

@@ -4,7 +4,6 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -19,7 +18,7 @@ use super::openai::{
     PromptTokensDetails, ResponseBody, UsageBody,
 };
 use super::translate::{to_draft, Endpoint};
-use super::{HttpState, RequestId};
+use super::{unix_seconds, HttpState, RequestId};
 use crate::api::tracking::openai_finish_reason;
 use crate::request::{SequenceEvent, TokenLogprob, Usage};
 use crate::tokenizer::ModelTokenizer;
@@ -30,12 +29,6 @@ pub async fn completions(state: State<HttpState>, id: Extension<RequestId>, body
 
 pub async fn chat_completions(state: State<HttpState>, id: Extension<RequestId>, body: Bytes) -> Response {
     generate(Endpoint::Chat, state, id, body).await
-}
-
-pub fn unix_seconds() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |since| since.as_secs())
 }
 
 /// Parses the body with the path of what was wrong in the error.
@@ -55,12 +48,15 @@ async fn generate(
         Ok(body) => body,
         Err(error) => return error.into_response(),
     };
-    let streaming = body.stream;
-    let include_usage = body.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let streaming = body.stream.unwrap_or(false);
+    let include_usage = body
+        .stream_options
+        .as_ref()
+        .is_some_and(|o| o.include_usage.unwrap_or(false));
     if body.stream_options.is_some() && !streaming {
         return ApiError::bad_request("stream_options", "stream_options: only with stream: true").into_response();
     }
-    let return_token_ids = body.return_token_ids;
+    let return_token_ids = body.return_token_ids.unwrap_or(false);
     let draft = match to_draft(endpoint, id.clone(), body) {
         Ok(draft) => draft,
         Err(error) => return error.into_response(),
@@ -117,10 +113,7 @@ async fn whole_response(mut builder: ChoiceBuilder, mut events: crate::api::trac
                 token_ids.extend(ids);
                 logprobs.extend(lp);
                 let choice = builder.choice(text, token_ids, &logprobs, Some(openai_finish_reason(reason)), false);
-                let object = match builder.endpoint {
-                    Endpoint::Completions => "text_completion",
-                    Endpoint::Chat => "chat.completion",
-                };
+                let object = builder.endpoint.object(false);
                 return Json(builder.body(object, vec![choice], Some(usage_body(usage)))).into_response();
             }
             SequenceEvent::Failed(error) => return ApiError::engine(&error).into_response(),
@@ -134,10 +127,7 @@ fn stream_response(
     events: crate::api::tracking::TrackedRequest,
     include_usage: bool,
 ) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
-    let object = match builder.endpoint {
-        Endpoint::Completions => "text_completion",
-        Endpoint::Chat => "chat.completion.chunk",
-    };
+    let object = builder.endpoint.object(true);
     let opening = (builder.endpoint == Endpoint::Chat).then(|| {
         let choice = Choice {
             delta: Some(AssistantMessage {

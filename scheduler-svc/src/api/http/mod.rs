@@ -30,6 +30,12 @@ pub struct HttpState {
     pub created: u64,
 }
 
+pub fn unix_seconds() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs())
+}
+
 /// The request's id, put in the request's extensions by the middleware.
 #[derive(Clone)]
 pub struct RequestId(pub String);
@@ -45,6 +51,7 @@ pub fn router(state: HttpState) -> Router {
         .route("/metrics", get(metrics))
         .merge(api)
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn(with_request_id))
         .with_state(state)
 }
@@ -111,6 +118,16 @@ async fn models(State(state): State<HttpState>) -> Json<ModelList> {
             max_model_len: state.front.engine.limits.max_model_len,
         }],
     })
+}
+
+async fn method_not_allowed(request: Request) -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: format!("{} is not allowed on {}", request.method(), request.uri().path()),
+        kind: "invalid_request_error",
+        param: None,
+        code: None,
+    }
 }
 
 async fn not_found(request: Request) -> ApiError {

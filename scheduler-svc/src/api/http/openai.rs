@@ -1,7 +1,7 @@
 //! OpenAI's JSON shapes (with vLLM's extras) for completions and chat completions. One request
 //! type serves both endpoints: each endpoint refuses the other's fields, and every parameter
 //! Rivulet does not support is refused by name (unknown fields are refused by serde), never
-//! silently ignored.
+//! silently ignored. Optional parameters take `null` as "not given", as OpenAI's API does.
 
 use serde::{Deserialize, Serialize};
 
@@ -62,9 +62,9 @@ pub struct InputMessage {
 }
 
 #[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
-    #[serde(default)]
-    pub include_usage: bool,
+    pub include_usage: Option<bool>,
 }
 
 /// A `/v1/completions` or `/v1/chat/completions` body.
@@ -85,8 +85,7 @@ pub struct GenerationBody {
     pub presence_penalty: Option<f32>,
     pub seed: Option<u64>,
     pub stop: Option<StopInput>,
-    #[serde(default)]
-    pub stream: bool,
+    pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub logprobs: Option<LogprobsInput>,
     /// Chat only.
@@ -96,17 +95,12 @@ pub struct GenerationBody {
     pub top_k: Option<i32>,
     pub min_p: Option<f32>,
     pub repetition_penalty: Option<f32>,
-    #[serde(default)]
-    pub ignore_eos: bool,
-    #[serde(default)]
-    pub min_tokens: u32,
-    #[serde(default)]
-    pub stop_token_ids: Vec<u32>,
-    #[serde(default)]
-    pub include_stop_str_in_output: bool,
+    pub ignore_eos: Option<bool>,
+    pub min_tokens: Option<u32>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub include_stop_str_in_output: Option<bool>,
     /// Also return the generated token ids (`choices[].token_ids`).
-    #[serde(default)]
-    pub return_token_ids: bool,
+    pub return_token_ids: Option<bool>,
     /// Rivulet's scheduling class: `low`, `normal`, `high` or `critical`.
     pub priority: Option<String>,
     // OpenAI parameters Rivulet refuses unless they ask for the default.

@@ -14,10 +14,12 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    pub fn path(self) -> &'static str {
-        match self {
-            Endpoint::Completions => "/v1/completions",
-            Endpoint::Chat => "/v1/chat/completions",
+    /// The response's `object`: whole, or one streamed chunk.
+    pub fn object(self, chunk: bool) -> &'static str {
+        match (self, chunk) {
+            (Endpoint::Completions, _) => "text_completion",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
         }
     }
 
@@ -72,14 +74,21 @@ fn refuse_unsupported(body: &GenerationBody) -> Result<(), ApiError> {
         Some(serde_json::Value::String(s)) => s == "none",
         Some(_) => false,
     };
-    for (param, value) in [
-        ("tools", &body.tools),
-        ("tool_choice", &body.tool_choice),
-        ("functions", &body.functions),
-        ("function_call", &body.function_call),
-        ("parallel_tool_calls", &body.parallel_tool_calls),
+    // Without tools, `tool_choice: "auto"` and `parallel_tool_calls` change nothing (agent
+    // frameworks send them by default); tools themselves are refused.
+    let harmless_choice = |value: &Option<serde_json::Value>| {
+        absent_or_none(value) || value.as_ref().and_then(|v| v.as_str()) == Some("auto")
+    };
+    let no_tools = |value: &Option<serde_json::Value>| {
+        absent_or_none(value) || value == &Some(serde_json::Value::Array(Vec::new()))
+    };
+    for (param, refused) in [
+        ("tools", !no_tools(&body.tools)),
+        ("functions", !no_tools(&body.functions)),
+        ("tool_choice", !harmless_choice(&body.tool_choice)),
+        ("function_call", !harmless_choice(&body.function_call)),
     ] {
-        if !absent_or_none(value) && value != &Some(serde_json::Value::Array(Vec::new())) {
+        if refused {
             return Err(unsupported(param, "tool and function calling"));
         }
     }
@@ -242,12 +251,12 @@ pub fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Res
             max_new_tokens: body.max_tokens.or(body.max_completion_tokens),
             // vLLM's defaults: completions take the server's default, chat the rest of the context.
             default_to_rest_of_context: endpoint == Endpoint::Chat,
-            ignore_eos: body.ignore_eos,
+            ignore_eos: body.ignore_eos.unwrap_or(false),
             stop: body.stop.map(|stop| stop.into_vec()).unwrap_or_default(),
-            stop_token_ids: body.stop_token_ids,
-            min_new_tokens: body.min_tokens,
+            stop_token_ids: body.stop_token_ids.unwrap_or_default(),
+            min_new_tokens: body.min_tokens.unwrap_or(0),
             max_response_chars: None,
-            include_stop_str_in_output: body.include_stop_str_in_output,
+            include_stop_str_in_output: body.include_stop_str_in_output.unwrap_or(false),
         },
         priority: priority(body.priority.as_deref())?,
     })
