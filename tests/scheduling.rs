@@ -312,3 +312,71 @@ async fn switching_the_policy_while_serving_changes_who_gets_the_first_token_fir
         .expect_err("unspecified");
     assert_eq!(invalid.code(), tonic::Code::InvalidArgument);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_queue_can_be_listed_and_cleared_while_a_request_runs() {
+    let server = TestServer::start(&[("RIVULET_SCHEDULER__MAX_NUM_SEQS", "1")]);
+    let client = server.client().await;
+    // One request runs (one sequence at a time); three wait behind it, of different priorities.
+    let running = {
+        let mut client = client.clone();
+        tokio::spawn(async move { client.generate(greedy_request("Once upon a time", 200)).await })
+    };
+    common::wait_until(Duration::from_secs(30), "the first request to run", || async {
+        server.stats().await.num_running == 1
+    })
+    .await;
+    let waiting: Vec<_> = [
+        ("low-1", rivulet::proto::Priority::Low),
+        ("high-1", rivulet::proto::Priority::High),
+        ("normal-1", rivulet::proto::Priority::Normal),
+    ]
+    .into_iter()
+    .map(|(id, priority)| {
+        let mut client = client.clone();
+        let mut request = tonic::Request::new(GenerateRequest {
+            priority: priority as i32,
+            ..greedy_request("Hello", 4)
+        });
+        request
+            .metadata_mut()
+            .insert("x-request-id", id.parse().expect("metadata value"));
+        tokio::spawn(async move { client.generate(request).await })
+    })
+    .collect();
+    let mut admin = server.admin().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let queue = loop {
+        let queue = admin
+            .get_queue(rivulet::proto::GetQueueRequest {})
+            .await
+            .expect("get queue")
+            .into_inner();
+        if queue.requests.len() == 3 {
+            break queue;
+        }
+        assert!(Instant::now() < deadline, "three requests never queued: {queue:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let ids: Vec<&str> = queue.requests.iter().map(|r| r.request_id.as_str()).collect();
+    assert_eq!(ids, ["high-1", "normal-1", "low-1"], "highest priority first");
+    assert!(queue
+        .requests
+        .iter()
+        .all(|r| r.prompt_tokens > 0 && r.waiting_seconds >= 0.0));
+    assert!(queue.recommended_max_sequence_length > 0 && queue.recommended_max_sequence_length <= 2048);
+
+    let cleared = admin
+        .clear_queue(rivulet::proto::ClearQueueRequest {})
+        .await
+        .expect("clear queue")
+        .into_inner();
+    assert_eq!(cleared.cleared, 3);
+    for call in waiting {
+        let status = call.await.expect("task").expect_err("cleared");
+        assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
+    }
+    let done = running.await.expect("task").expect("the running request is untouched");
+    assert_eq!(done.into_inner().token_ids.len(), 200);
+    common::assert_no_blocks_held(&server).await;
+}

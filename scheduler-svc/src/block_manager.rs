@@ -139,14 +139,7 @@ impl BlockManager {
     /// turns the reserve and backpressure on: alone, anything that fits may start.
     pub fn admission(&self, new_blocks: u32, others_running: bool) -> Admission {
         let available = self.num_available();
-        let (admissible, pressure_limited) = if others_running {
-            (
-                available.saturating_sub(self.reserved),
-                self.memory_pressure() > self.config.backpressure_threshold,
-            )
-        } else {
-            (available, false)
-        };
+        let (admissible, pressure_limited) = self.admissible(others_running);
         if pressure_limited {
             return Admission::Rejected(RejectReason::Backpressure {
                 memory_pressure: self.memory_pressure(),
@@ -160,6 +153,28 @@ impl BlockManager {
         }
         Admission::Accepted {
             remaining_blocks: available - new_blocks,
+        }
+    }
+
+    /// Blocks a new sequence may take now (beside running ones the reserve stays untouched), and
+    /// whether backpressure refuses every admission.
+    fn admissible(&self, others_running: bool) -> (u32, bool) {
+        let available = self.num_available();
+        if others_running {
+            (
+                available.saturating_sub(self.reserved),
+                self.memory_pressure() > self.config.backpressure_threshold,
+            )
+        } else {
+            (available, false)
+        }
+    }
+
+    /// The most tokens a new sequence could hold if admitted now (0 under backpressure).
+    pub fn admissible_tokens(&self, others_running: bool) -> u32 {
+        match self.admissible(others_running) {
+            (_, true) => 0,
+            (blocks, false) => blocks.saturating_mul(self.block_size),
         }
     }
 

@@ -155,6 +155,8 @@ pub enum EngineError {
     Detokenize(String),
     #[error("no worker replica {0}")]
     UnknownReplica(u32),
+    #[error("an operator cleared the queue before the request started")]
+    ClearedFromQueue,
 }
 
 /// How a front reports an [`EngineError`]: each maps these to its protocol's statuses.
@@ -168,6 +170,8 @@ pub enum ErrorKind {
     NotFound,
     /// A fault of the server (`INTERNAL`, 500).
     Internal,
+    /// Ended on purpose by an operator (`ABORTED`, 503).
+    Aborted,
 }
 
 impl EngineError {
@@ -177,6 +181,7 @@ impl EngineError {
             EngineError::QueueFull(_) => ErrorKind::Overloaded,
             EngineError::UnknownReplica(_) => ErrorKind::NotFound,
             EngineError::Detokenize(_) => ErrorKind::Internal,
+            EngineError::ClearedFromQueue => ErrorKind::Aborted,
         }
     }
 
@@ -188,6 +193,7 @@ impl EngineError {
             EngineError::QueueFull(_) => "queue_full",
             EngineError::Detokenize(_) => "detokenize",
             EngineError::UnknownReplica(_) => "unknown_replica",
+            EngineError::ClearedFromQueue => "queue_cleared",
         }
     }
 }

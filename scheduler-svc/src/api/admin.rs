@@ -1,13 +1,14 @@
 //! The `rivulet.v1.Admin` gRPC service: statistics (pooled and per replica), the scheduling
-//! policy, the stats window, draining a worker replica.
+//! policy, the stats window, draining a worker replica, the admission queue.
 
 use rivulet::proto;
 use rivulet::proto::admin_server::Admin;
 use tonic::{Request, Response, Status};
 
 use super::grpc::engine_status;
-use crate::engine::EngineHandle;
+use crate::engine::{EngineHandle, QueuedRequest};
 use crate::replica::{ReplicaOrigin, ReplicaSnapshot, ReplicaState};
+use crate::request::Priority;
 use crate::scheduler::SchedulingPolicy;
 use crate::stats::StatsSnapshot;
 
@@ -76,6 +77,40 @@ impl Admin for AdminService {
             .await
             .map_err(engine_status)?;
         Ok(Response::new(proto::DrainWorkerResponse {}))
+    }
+
+    async fn get_queue(&self, _: Request<proto::GetQueueRequest>) -> Result<Response<proto::GetQueueResponse>, Status> {
+        let queue = self.engine.queue().await.map_err(engine_status)?;
+        Ok(Response::new(proto::GetQueueResponse {
+            requests: queue.requests.into_iter().map(proto_queued).collect(),
+            recommended_max_sequence_length: queue.recommended_max_sequence_length,
+        }))
+    }
+
+    async fn clear_queue(
+        &self,
+        _: Request<proto::ClearQueueRequest>,
+    ) -> Result<Response<proto::ClearQueueResponse>, Status> {
+        let cleared = self.engine.clear_queue().await.map_err(engine_status)?;
+        Ok(Response::new(proto::ClearQueueResponse {
+            cleared: cleared as u32,
+        }))
+    }
+}
+
+fn proto_queued(request: QueuedRequest) -> proto::QueuedRequest {
+    let priority = match request.priority {
+        Priority::Low => proto::Priority::Low,
+        Priority::Normal => proto::Priority::Normal,
+        Priority::High => proto::Priority::High,
+        Priority::Critical => proto::Priority::Critical,
+    };
+    proto::QueuedRequest {
+        request_id: request.request_id,
+        priority: priority as i32,
+        prompt_tokens: request.prompt_tokens,
+        waiting_seconds: request.waiting.as_secs_f64(),
+        replica: request.replica,
     }
 }
 

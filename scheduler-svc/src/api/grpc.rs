@@ -205,6 +205,7 @@ pub fn engine_status(error: EngineError) -> Status {
         ErrorKind::Overloaded => Status::resource_exhausted(message),
         ErrorKind::NotFound => Status::not_found(message),
         ErrorKind::Internal => Status::internal(message),
+        ErrorKind::Aborted => Status::aborted(message),
     }
 }
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 use tokio::sync::mpsc::{self as tokio_mpsc, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{oneshot, watch};
 
+use super::queue_control::QueueSnapshot;
 use crate::model_limits::ModelLimits;
 use crate::queue_ticket::QueueTicket;
 use crate::replica::driver::ReplicaMessage;
@@ -31,6 +32,12 @@ pub(super) enum EngineCommand {
         reply: oneshot::Sender<SchedulingPolicy>,
     },
     ResetStatsWindow,
+    GetQueue {
+        reply: oneshot::Sender<QueueSnapshot>,
+    },
+    ClearQueue {
+        reply: oneshot::Sender<usize>,
+    },
     /// Scale-down: stop routing to replica `id`, let its sequences finish, then let it go.
     DrainReplica {
         id: ReplicaId,
@@ -118,6 +125,16 @@ impl EngineHandle {
 
     pub fn reset_stats_window(&self) -> Result<(), EngineError> {
         self.send(EngineCommand::ResetStatsWindow)
+    }
+
+    /// The requests waiting for their first admission, and how long a sequence could be admitted.
+    pub async fn queue(&self) -> Result<QueueSnapshot, EngineError> {
+        self.ask(|reply| EngineCommand::GetQueue { reply }).await
+    }
+
+    /// Ends every request waiting for its first admission; returns how many.
+    pub async fn clear_queue(&self) -> Result<usize, EngineError> {
+        self.ask(|reply| EngineCommand::ClearQueue { reply }).await
     }
 
     /// Stops routing to replica `id`; it exits once its running sequences are done.

@@ -11,9 +11,11 @@
 //!
 //! - [`handle`]: what the engine is sent, and the handle front ends hold.
 //! - [`pool`]: the replicas' lifecycle and routing requests to them.
+//! - [`queue_control`]: the operator's view and control of the admission queue.
 
 mod handle;
 mod pool;
+mod queue_control;
 
 use std::sync::atomic::AtomicUsize;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -41,6 +43,7 @@ use crate::worker_client::worker_binary;
 
 pub use handle::EngineHandle;
 use handle::{EngineCommand, EngineInput, HandleGuard};
+pub use queue_control::{QueueSnapshot, QueuedRequest};
 
 #[derive(Debug, Error)]
 pub enum EngineStartError {
@@ -296,6 +299,12 @@ impl Engine {
                 let _ = reply.send(previous);
             }
             EngineCommand::ResetStatsWindow => self.stats.reset_window(),
+            EngineCommand::GetQueue { reply } => {
+                let _ = reply.send(self.queue_snapshot());
+            }
+            EngineCommand::ClearQueue { reply } => {
+                let _ = reply.send(self.clear_queue());
+            }
             EngineCommand::DrainReplica { id, reply } => {
                 let _ = reply.send(self.drain_replica(id));
             }

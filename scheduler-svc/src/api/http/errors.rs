@@ -67,6 +67,7 @@ impl ApiError {
             ErrorKind::Overloaded => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error"),
             ErrorKind::NotFound => (StatusCode::NOT_FOUND, "not_found_error"),
             ErrorKind::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+            ErrorKind::Aborted => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable_error"),
         };
         Self {
             status,
