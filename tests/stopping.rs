@@ -189,3 +189,55 @@ async fn a_full_queue_is_resource_exhausted_and_the_server_recovers() {
         .into_inner();
     assert_eq!(response.token_ids.len(), 4);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn confidence_stop_ends_at_the_first_unlikely_token() {
+    let with_logprobs = |confidence_threshold| {
+        let mut request = with_stopping(
+            PROMPT,
+            StoppingCriteria {
+                max_new_tokens: Some(48),
+                ignore_eos: true,
+                confidence_threshold,
+                ..Default::default()
+            },
+        );
+        request.sampling = Some(rivulet::proto::SamplingParams {
+            temperature: Some(0.0),
+            logprobs: true,
+            ..Default::default()
+        });
+        request
+    };
+    // The whole greedy run and each token's probability under the model.
+    let (full, _, _) = unary_and_streamed(with_logprobs(None)).await;
+    let probabilities: Vec<f32> = full.logprobs.iter().map(|l| l.logprob.exp()).collect();
+    // A threshold the run crosses: 0.9, or just above its least likely token.
+    let least = probabilities.iter().copied().fold(1.0f32, f32::min);
+    let threshold = if least < 0.85 { 0.9 } else { least + 1e-3 };
+    let stop_at = probabilities
+        .iter()
+        .position(|&p| p < threshold)
+        .expect("a token below the threshold");
+
+    let (stopped, _, streamed_reason) = unary_and_streamed(with_logprobs(Some(threshold))).await;
+    assert_eq!(stopped.finish_reason(), FinishReason::LowConfidence);
+    assert_eq!(streamed_reason, FinishReason::LowConfidence);
+    assert_eq!(
+        stopped.token_ids,
+        full.token_ids[..=stop_at],
+        "the greedy tokens up to and including the first with probability < {threshold}: {probabilities:?}"
+    );
+
+    let mut client = shared_server().client().await;
+    let error = client
+        .generate(with_logprobs(Some(1.5)))
+        .await
+        .expect_err("out of range");
+    assert_eq!(error.code(), Code::InvalidArgument);
+    assert!(
+        error.message().starts_with("stopping.confidence_threshold"),
+        "{}",
+        error.message()
+    );
+}

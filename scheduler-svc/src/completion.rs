@@ -1,12 +1,20 @@
 //! When a sequence is done, in DESIGN.md §3's priority order. Cancellation is noticed before a
 //! step is planned (the client's channel is closed); this looks at the newest token: max tokens →
 //! EOS / stop token ids (unless `ignore_eos` for EOS; never before `min_new_tokens`) → the model's
-//! context. Stop strings and the character limit come next, on the text ([`crate::output_text`]).
+//! context → confidence (the token's probability below the request's threshold, not before
+//! `min_new_tokens`). Stop strings and the character limit come next, on the text
+//! ([`crate::output_text`]).
 
 use crate::request::FinishReason;
 use crate::sequence::Sequence;
 
-pub fn check_token_completion(seq: &Sequence, eos_token_ids: &[u32], max_model_len: usize) -> Option<FinishReason> {
+/// `logprob` is the newest token's log-probability under the model.
+pub fn check_token_completion(
+    seq: &Sequence,
+    eos_token_ids: &[u32],
+    max_model_len: usize,
+    logprob: f32,
+) -> Option<FinishReason> {
     let stopping = &seq.request.stopping;
     let generated = seq.num_generated();
     if generated >= stopping.max_new_tokens as usize {
@@ -24,7 +32,8 @@ pub fn check_token_completion(seq: &Sequence, eos_token_ids: &[u32], max_model_l
     if seq.tokens.len() >= max_model_len {
         return Some(FinishReason::Length);
     }
-    None
+    let threshold = stopping.confidence_threshold?;
+    (generated >= stopping.min_new_tokens as usize && logprob.exp() < threshold).then_some(FinishReason::LowConfidence)
 }
 
 #[cfg(test)]
@@ -60,7 +69,7 @@ mod tests {
     #[test]
     fn reasons_in_priority_order() {
         let check = |stop: StoppingParams, generated: &[u32], max_len| {
-            check_token_completion(&sequence(stop, generated), &[2], max_len)
+            check_token_completion(&sequence(stop, generated), &[2], max_len, 0.0)
         };
         assert_eq!(check(stopping(4, false), &[9], 100), None);
         assert_eq!(check(stopping(4, false), &[9, 2], 100), Some(FinishReason::EosToken));
@@ -79,7 +88,7 @@ mod tests {
             ..stopping(10, true)
         };
         assert_eq!(
-            check_token_completion(&sequence(with_stop.clone(), &[1, 7]), &[2], 100),
+            check_token_completion(&sequence(with_stop.clone(), &[1, 7]), &[2], 100, 0.0),
             Some(FinishReason::StopToken)
         );
         let min_three = StoppingParams {
@@ -87,16 +96,38 @@ mod tests {
             ..with_stop
         };
         assert_eq!(
-            check_token_completion(&sequence(min_three.clone(), &[1, 7]), &[2], 100),
+            check_token_completion(&sequence(min_three.clone(), &[1, 7]), &[2], 100, 0.0),
             None
         );
         assert_eq!(
-            check_token_completion(&sequence(min_three.clone(), &[1, 2]), &[2], 100),
+            check_token_completion(&sequence(min_three.clone(), &[1, 2]), &[2], 100, 0.0),
             None
         );
         assert_eq!(
-            check_token_completion(&sequence(min_three, &[1, 1, 7]), &[2], 100),
+            check_token_completion(&sequence(min_three, &[1, 1, 7]), &[2], 100, 0.0),
             Some(FinishReason::StopToken)
+        );
+    }
+
+    #[test]
+    fn a_token_less_likely_than_the_confidence_threshold_ends_the_output() {
+        let confident = StoppingParams {
+            confidence_threshold: Some(0.5),
+            min_new_tokens: 2,
+            ..stopping(10, false)
+        };
+        let check = |generated: &[u32], probability: f32| {
+            check_token_completion(&sequence(confident.clone(), generated), &[2], 100, probability.ln())
+        };
+        assert_eq!(check(&[9, 9], 0.6), None);
+        assert_eq!(check(&[9, 9], 0.4), Some(FinishReason::LowConfidence));
+        assert_eq!(check(&[9], 0.1), None, "not before min_new_tokens");
+        // EOS and the other reasons come first.
+        assert_eq!(check(&[9, 2], 0.1), Some(FinishReason::EosToken));
+        assert_eq!(
+            check_token_completion(&sequence(stopping(10, false), &[9, 9]), &[2], 100, 0.01f32.ln()),
+            None,
+            "off unless asked for"
         );
     }
 }

@@ -119,6 +119,8 @@ pub struct SchedulerConfig {
     pub prefix_cache_ttl_seconds: Option<u64>,
     /// Requests wait this long for a worker while none is ready, then end with UNAVAILABLE.
     pub no_worker_timeout_secs: u64,
+    /// Confidence stop for requests that set none: end at the first token less likely than this.
+    pub confidence_threshold: Option<f32>,
 }
 
 impl Default for Config {
@@ -163,6 +165,7 @@ impl Default for Config {
                 prefix_cache: true,
                 prefix_cache_ttl_seconds: None,
                 no_worker_timeout_secs: 60,
+                confidence_threshold: None,
             },
         }
     }

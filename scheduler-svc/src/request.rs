@@ -74,6 +74,8 @@ pub struct StoppingParams {
     pub min_new_tokens: u32,
     pub max_response_chars: Option<u32>,
     pub include_stop_str_in_output: bool,
+    /// End at the first token (after `min_new_tokens`) less likely than this.
+    pub confidence_threshold: Option<f32>,
 }
 
 /// Scheduling class: higher is admitted first and preempted last.
@@ -110,6 +112,8 @@ pub enum FinishReason {
     /// The sequence reached the model's context length.
     Length,
     Cancelled,
+    /// A token's probability fell below the request's confidence threshold.
+    LowConfidence,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

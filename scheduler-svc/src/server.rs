@@ -52,6 +52,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             served_model_name: served_model_name.clone(),
             default_max_new_tokens: config.scheduler.default_max_new_tokens,
             default_stop_strings: config.scheduler.default_stop_strings.clone(),
+            default_confidence_threshold: config.scheduler.confidence_threshold,
         }),
         engine: engine.clone(),
         metrics,

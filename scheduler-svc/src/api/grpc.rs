@@ -108,6 +108,7 @@ fn to_draft(id: String, request: proto::GenerateRequest) -> Result<RequestDraft,
         stopping: StoppingDraft {
             max_new_tokens: stopping.max_new_tokens,
             default_to_rest_of_context: false,
+            confidence_threshold: stopping.confidence_threshold,
             ignore_eos: stopping.ignore_eos,
             stop: stopping.stop,
             stop_token_ids: stopping.stop_token_ids,
@@ -217,6 +218,7 @@ fn proto_reason(reason: FinishReason) -> proto::FinishReason {
         FinishReason::StopString => proto::FinishReason::StopString,
         FinishReason::Length => proto::FinishReason::Length,
         FinishReason::Cancelled => proto::FinishReason::Cancelled,
+        FinishReason::LowConfidence => proto::FinishReason::LowConfidence,
     }
 }
 

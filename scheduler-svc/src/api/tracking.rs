@@ -17,7 +17,9 @@ use crate::request::{EngineError, FinishReason, SequenceEvent};
 /// OpenAI's (and vLLM's metrics') word for a finish reason.
 pub fn openai_finish_reason(reason: FinishReason) -> &'static str {
     match reason {
-        FinishReason::EosToken | FinishReason::StopToken | FinishReason::StopString => "stop",
+        FinishReason::EosToken | FinishReason::StopToken | FinishReason::StopString | FinishReason::LowConfidence => {
+            "stop"
+        }
         FinishReason::MaxTokens | FinishReason::Length => "length",
         FinishReason::Cancelled => "abort",
     }

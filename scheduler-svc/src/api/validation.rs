@@ -56,6 +56,7 @@ pub struct StoppingDraft {
     pub min_new_tokens: u32,
     pub max_response_chars: Option<u32>,
     pub include_stop_str_in_output: bool,
+    pub confidence_threshold: Option<f32>,
 }
 
 /// A request as a front received it, before validation.
@@ -90,6 +91,7 @@ pub enum Field {
     StopTokenIds,
     MinNewTokens,
     MaxResponseChars,
+    ConfidenceThreshold,
     Priority,
 }
 
@@ -114,6 +116,7 @@ impl Field {
             Field::StopTokenIds => "stopping.stop_token_ids",
             Field::MinNewTokens => "stopping.min_new_tokens",
             Field::MaxResponseChars => "stopping.max_response_chars",
+            Field::ConfidenceThreshold => "stopping.confidence_threshold",
             Field::Priority => "priority",
         }
     }
@@ -146,6 +149,8 @@ pub struct Validator {
     pub served_model_name: String,
     pub default_max_new_tokens: u32,
     pub default_stop_strings: Vec<String>,
+    /// `scheduler.confidence_threshold`, for requests that set none.
+    pub default_confidence_threshold: Option<f32>,
 }
 
 impl Validator {
@@ -294,6 +299,15 @@ impl Validator {
                 "must be at least 1 when set",
             ));
         }
+        let confidence_threshold = stopping.confidence_threshold.or(self.default_confidence_threshold);
+        if let Some(threshold) = confidence_threshold {
+            check(
+                Field::ConfidenceThreshold,
+                threshold,
+                threshold > 0.0 && threshold < 1.0,
+                "(0, 1)",
+            )?;
+        }
         let mut stop_strings = stopping.stop;
         stop_strings.extend(self.default_stop_strings.iter().cloned());
         Ok(StoppingParams {
@@ -304,6 +318,7 @@ impl Validator {
             min_new_tokens: stopping.min_new_tokens,
             max_response_chars: stopping.max_response_chars,
             include_stop_str_in_output: stopping.include_stop_str_in_output,
+            confidence_threshold,
         })
     }
 }

@@ -42,7 +42,8 @@ pub fn apply_outputs(
         seq.tokens.push(token);
         generated += 1;
         let logprobs = read_logprobs(buffer, slot, token, &seq.request.sampling);
-        let token_reason = check_token_completion(seq, context.eos_token_ids, context.max_model_len);
+        let logprob = buffer.f32_array(buffer.layout().sampled_logprobs)[slot];
+        let token_reason = check_token_completion(seq, context.eos_token_ids, context.max_model_len, logprob);
         let mut delta = match seq.detokenizer.push(context.tokenizer, token) {
             Ok(text) => text,
             Err(error) => {

@@ -101,6 +101,8 @@ pub struct GenerationBody {
     pub include_stop_str_in_output: Option<bool>,
     /// Also return the generated token ids (`choices[].token_ids`).
     pub return_token_ids: Option<bool>,
+    /// Rivulet's confidence stop: end at the first token less likely than this (0-1).
+    pub confidence_threshold: Option<f32>,
     /// Rivulet's scheduling class: `low`, `normal`, `high` or `critical`.
     pub priority: Option<String>,
     // OpenAI parameters Rivulet refuses unless they ask for the default.

@@ -43,6 +43,7 @@ impl Endpoint {
             Field::StopTokenIds => "stop_token_ids",
             Field::MinNewTokens => "min_tokens",
             Field::MaxResponseChars => "max_response_chars",
+            Field::ConfidenceThreshold => "confidence_threshold",
             Field::Priority => "priority",
         }
     }
@@ -257,6 +258,7 @@ pub fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Res
             min_new_tokens: body.min_tokens.unwrap_or(0),
             max_response_chars: None,
             include_stop_str_in_output: body.include_stop_str_in_output.unwrap_or(false),
+            confidence_threshold: body.confidence_threshold,
         },
         priority: priority(body.priority.as_deref())?,
     })
