@@ -9,7 +9,8 @@
 //! - [`replica`]: one worker process and the state that lives and dies with it; its driver thread.
 //! - [`scheduler`]: planning each iteration (continuous batching, chunked prefill, preemption).
 //! - [`block_manager`]: paged KV block accounting.
-//! - [`completion`] and `rivulet_text` ([`detokenizer`], [`tokenizer`], [`chat_template`]): text in and out.
+//! - [`completion`]: every way a sequence ends, decided in one place as one typed outcome.
+//! - `rivulet_text` ([`detokenizer`], [`tokenizer`], [`chat_template`]): text in and out.
 //! - [`worker_client`], [`step_writer`]: a worker process and its shared-memory step buffer.
 
 pub mod api;
@@ -22,7 +23,6 @@ pub mod engine;
 pub mod load_progress;
 pub mod metrics;
 pub mod model_limits;
-pub mod output_text;
 pub mod prefix_cache;
 pub mod queue;
 pub mod queue_ticket;

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::block_manager::BlockManager;
+use crate::completion::OutputText;
 use crate::detokenizer::IncrementalDetokenizer;
-use crate::output_text::OutputText;
 use crate::queue_ticket::QueueTicket;
 use crate::request::{GenerationRequest, SequenceEvent};
 
@@ -97,10 +97,5 @@ impl Sequence {
         self.blocks.clear();
         self.block_hashes.clear();
         self.num_computed = 0;
-    }
-
-    /// The client went away (dropped its stream or call): nobody wants the result.
-    pub fn is_abandoned(&self) -> bool {
-        self.events.is_closed()
     }
 }

@@ -27,6 +27,7 @@ use thiserror::Error;
 use tokio::sync::watch;
 
 use crate::block_manager::BlockManagerConfig;
+use crate::completion;
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::model_limits::ModelLimits;
@@ -317,7 +318,7 @@ impl Engine {
 
     /// Cancellation: a client that went away has its sequence removed and its blocks freed.
     fn drop_abandoned(&mut self) {
-        self.unrouted.retain_mut(|seq| !seq.is_abandoned());
+        self.unrouted.retain_mut(|seq| !completion::is_abandoned(seq));
         for live in self.replicas.iter_mut().filter_map(|r| r.live.as_mut()) {
             live.drop_abandoned();
         }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use rivulet_ipc::{ReadyInfo, StepBuffer};
 
 use crate::block_manager::{BlockManager, BlockManagerConfig};
+use crate::completion;
 use crate::queue::WaitingQueue;
 use crate::request::{EngineError, SequenceEvent};
 use crate::scheduler::{Scheduler, SchedulerLimits, SchedulingPolicy, StepPlan};
@@ -173,7 +174,7 @@ impl LiveReplica {
         let blocks = &mut self.blocks;
         if self.in_flight.is_none() {
             self.running.retain_mut(|seq| {
-                let keep = !seq.is_abandoned();
+                let keep = !completion::is_abandoned(seq);
                 if !keep {
                     seq.release_kv(blocks);
                     tracing::debug!(request_id = %seq.request.id, "cancelled");
@@ -182,7 +183,7 @@ impl LiveReplica {
             });
         }
         self.waiting.retain_mut(|seq| {
-            let keep = !seq.is_abandoned();
+            let keep = !completion::is_abandoned(seq);
             if !keep {
                 seq.release_kv(blocks);
             }

@@ -1,14 +1,13 @@
 //! Applying a finished step's outputs to the replica's running sequences: the sampled token is
-//! appended, detokenized, checked for completion and streamed; finished sequences leave with
-//! their blocks released.
+//! appended and handed to [`completion`], which says what text it completes and whether the
+//! sequence ends; the text is streamed; finished sequences leave with their blocks released.
 
 use rivulet_ipc::layout::MAX_TOP_LOGPROBS;
 use rivulet_ipc::StepBuffer;
 
 use crate::block_manager::BlockManager;
-use crate::completion::check_token_completion;
-use crate::output_text::TextProgress;
-use crate::request::{EngineError, FinishReason, SamplingParams, SequenceEvent, TokenLogprob, Usage};
+use crate::completion::{self, Outcome};
+use crate::request::{SamplingParams, SequenceEvent, TokenLogprob, Usage};
 use crate::scheduler::StepPlan;
 use crate::sequence::Sequence;
 use crate::tokenizer::ModelTokenizer;
@@ -29,7 +28,13 @@ pub fn apply_outputs(
     context: &OutputContext<'_>,
 ) -> u64 {
     let sampled = buffer.i64_array(buffer.layout().sampled_tokens);
-    let mut finished: Vec<(usize, FinishReason, String, Vec<TokenLogprob>)> = Vec::new();
+    let sampled_logprobs = buffer.f32_array(buffer.layout().sampled_logprobs);
+    let limits = completion::Limits {
+        eos_token_ids: context.eos_token_ids,
+        max_model_len: context.max_model_len,
+    };
+    // Sequences whose outcome ends them: (index in `running`, outcome, the last token's logprobs).
+    let mut ended: Vec<(usize, Outcome, Vec<TokenLogprob>)> = Vec::new();
     let mut generated = 0;
     for (slot, scheduled) in plan.seqs.iter().enumerate() {
         let seq = &mut running[scheduled.running_index];
@@ -42,54 +47,30 @@ pub fn apply_outputs(
         seq.tokens.push(token);
         generated += 1;
         let logprobs = read_logprobs(buffer, slot, token, &seq.request.sampling);
-        let logprob = buffer.f32_array(buffer.layout().sampled_logprobs)[slot];
-        let token_reason = check_token_completion(seq, context.eos_token_ids, context.max_model_len, logprob);
-        let mut delta = match seq.detokenizer.push(context.tokenizer, token) {
-            Ok(text) => text,
-            Err(error) => {
-                let _ = seq
-                    .events
-                    .send(SequenceEvent::Failed(EngineError::Detokenize(error.to_string())));
-                finished.push((
-                    scheduled.running_index,
-                    FinishReason::Cancelled,
-                    String::new(),
-                    Vec::new(),
-                ));
-                continue;
-            }
-        };
-        if token_reason.is_some() {
-            delta.push_str(&seq.detokenizer.flush(context.tokenizer).unwrap_or_default());
-        }
-        let min_reached = seq.num_generated() >= seq.request.stopping.min_new_tokens as usize;
-        let outcome = match (seq.output.push(&delta, min_reached), token_reason) {
-            (TextProgress::Continue(text), None) => {
+        match completion::after_token(seq, sampled_logprobs[slot], &limits, context.tokenizer) {
+            Outcome::Continue(text) => {
                 let _ = seq.events.send(SequenceEvent::Tokens {
                     token_ids: vec![token],
                     text,
                     logprobs,
                 });
-                continue;
             }
-            (TextProgress::Continue(mut text), Some(reason)) => {
-                text.push_str(&seq.output.finish());
-                (reason, text)
-            }
-            (TextProgress::StopString(text) | TextProgress::CharLimit(text), Some(reason)) => (reason, text),
-            (TextProgress::StopString(text), None) => (FinishReason::StopString, text),
-            (TextProgress::CharLimit(text), None) => (FinishReason::Length, text),
-        };
-        finished.push((scheduled.running_index, outcome.0, outcome.1, logprobs));
+            end => ended.push((scheduled.running_index, end, logprobs)),
+        }
     }
     // Remove from the back so earlier indices stay valid.
-    finished.sort_unstable_by_key(|(index, ..)| std::cmp::Reverse(*index));
-    for (index, reason, text, logprobs) in finished {
+    ended.sort_unstable_by_key(|(index, ..)| std::cmp::Reverse(*index));
+    for (index, end, logprobs) in ended {
         let mut seq = running.remove(index);
         seq.release_kv(blocks);
-        if reason == FinishReason::Cancelled {
-            continue;
-        }
+        let (reason, text) = match end {
+            Outcome::Finished(reason, text) => (reason, text),
+            Outcome::Failed(error) => {
+                let _ = seq.events.send(SequenceEvent::Failed(error));
+                continue;
+            }
+            Outcome::Continue(_) => continue,
+        };
         let usage = Usage {
             prompt_tokens: seq.prompt_len() as u32,
             completion_tokens: seq.num_generated() as u32,

@@ -1,9 +1,6 @@
-//! When a sequence is done, in DESIGN.md §3's priority order. Cancellation is noticed before a
-//! step is planned (the client's channel is closed); this looks at the newest token: max tokens →
-//! EOS / stop token ids (unless `ignore_eos` for EOS; never before `min_new_tokens`) → the model's
-//! context → confidence (the token's probability below the request's threshold, not before
-//! `min_new_tokens`). Stop strings and the character limit come next, on the text
-//! ([`crate::output_text`]).
+//! The reasons decided by the newest token itself: max tokens → EOS / stop token ids (unless
+//! `ignore_eos` for EOS; never before `min_new_tokens`) → the model's context → confidence (the
+//! token's probability below the request's threshold, not before `min_new_tokens`).
 
 use crate::request::FinishReason;
 use crate::sequence::Sequence;
