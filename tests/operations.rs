@@ -163,6 +163,12 @@ async fn health_key_request_ids_and_the_openai_front() {
             .any(|line| line.starts_with("rivulet:worker_restarts_total") && line.ends_with(" 1")),
         "{metrics}"
     );
+    assert!(
+        metrics
+            .lines()
+            .any(|line| line.starts_with("rivulet:iteration_errors_total") && line.ends_with(" 1")),
+        "{metrics}"
+    );
 
     // One log format for the pod: the scheduler's lines and its workers' are all JSON; each
     // request left one summary line with its id.

@@ -56,6 +56,8 @@ pub struct Metrics {
     pub iteration_tokens: Histogram,
     pub step_forward: Histogram,
     pub step_scheduler: Histogram,
+    pub batch_utilization: Histogram,
+    pub iteration_errors: IntCounter,
 }
 
 impl Metrics {
@@ -146,6 +148,15 @@ impl Metrics {
                 "step_scheduler_seconds",
                 "The engine's own work per step: planning, writing inputs, applying outputs",
                 latency_buckets(),
+            )?,
+            batch_utilization: histogram(
+                "batch_utilization",
+                "Tokens per step as a share of the step's token budget (max_num_batched_tokens)",
+                vec![0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0],
+            )?,
+            iteration_errors: counter(
+                "iteration_errors_total",
+                "Worker failures: a step that failed or missed its deadline, or a worker that died",
             )?,
             registry,
         })

@@ -77,10 +77,13 @@ impl EngineStats {
         self.metrics.prefix_cache_hits.inc_by(prefix_hit);
     }
 
-    /// A step handed to its worker, of `tokens` tokens.
-    pub fn record_step_planned(&mut self, tokens: usize) {
+    /// A step handed to its worker, of `tokens` tokens out of a budget of `max_tokens`.
+    pub fn record_step_planned(&mut self, tokens: usize, max_tokens: usize) {
         self.iterations += 1;
         self.metrics.iteration_tokens.observe(tokens as f64);
+        self.metrics
+            .batch_utilization
+            .observe(tokens as f64 / max_tokens.max(1) as f64);
     }
 
     /// One iteration's timing: `step` from planning until its outputs were applied, `forward` the

@@ -76,7 +76,9 @@ moved = metric(after, "rivulet:request_success_total", finished_reason="length")
 check(moved == 2, f"two requests finished by length: {moved}")
 # The second identical prompt was served from the prefix cache: queries and hits both moved.
 check(metric(after, "rivulet:prefix_cache_hits_total") > metric(before, "rivulet:prefix_cache_hits_total"), "cache hits")
-check(metric(after, "rivulet:iteration_tokens_total_count") > metric(before, "rivulet:iteration_tokens_total_count"), "steps")
+steps = metric(after, "rivulet:iteration_tokens_total_count") - metric(before, "rivulet:iteration_tokens_total_count")
+check(steps > 0, "steps")
+check(metric(after, "rivulet:batch_utilization_count") - metric(before, "rivulet:batch_utilization_count") == steps, "one utilisation per step")
 check(metric(after, "rivulet:num_requests_running") == 0 and metric(after, "rivulet:kv_cache_usage_perc") == 0, "idle")
 print("metrics: counters and histograms moved as expected")
 

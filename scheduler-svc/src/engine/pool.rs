@@ -81,6 +81,7 @@ impl Engine {
             }
             ReplicaEvent::Ready { .. } | ReplicaEvent::StepDone { .. } => {}
             ReplicaEvent::Failed { error, restarting } => {
+                self.stats.metrics.iteration_errors.inc();
                 replica.last_error = Some(error);
                 if replica.state != ReplicaState::Draining {
                     replica.state = ReplicaState::Failed;

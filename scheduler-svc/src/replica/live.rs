@@ -123,7 +123,7 @@ impl LiveReplica {
         }
         let mut buffer = self.buffer.take()?;
         self.last_step += 1;
-        stats.record_step_planned(plan.num_tokens);
+        stats.record_step_planned(plan.num_tokens, self.scheduler.limits.max_num_batched_tokens);
         write_step(
             &mut buffer,
             self.last_step,
