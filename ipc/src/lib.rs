@@ -14,5 +14,10 @@ pub mod messages;
 pub mod step_buffer;
 
 pub use layout::{StepCapacity, StepHeader, StepLayout};
+
+/// The model architectures a worker can run (GGUF `general.architecture`, Hugging Face
+/// `model_type`), so the scheduler can refuse another model at start instead of restarting
+/// workers that can never load it.
+pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama"];
 pub use messages::{Bootstrap, LoadProgress, ModelInfo, ReadyInfo, WorkerCommand, WorkerEvent};
 pub use step_buffer::{StepBuffer, StepBufferError};

@@ -6,6 +6,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rivulet_gguf::{GgufError, GgufFile};
+use rivulet_ipc::SUPPORTED_ARCHITECTURES;
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -14,6 +15,8 @@ pub enum ModelLimitsError {
     Gguf(#[from] GgufError),
     #[error("{path}: {problem}")]
     HfConfig { path: String, problem: String },
+    #[error("the model's architecture `{0}` is not supported (supported: {supported})", supported = SUPPORTED_ARCHITECTURES.join(", "))]
+    UnsupportedArchitecture(String),
 }
 
 #[derive(Debug)]
@@ -27,11 +30,21 @@ pub struct ModelLimits {
 
 impl ModelLimits {
     pub fn read(model: &Path, vocab_size: u32, cap: Option<u32>) -> Result<Self, ModelLimitsError> {
+        let supported = |architecture: &str| {
+            if SUPPORTED_ARCHITECTURES.contains(&architecture) {
+                Ok(())
+            } else {
+                Err(ModelLimitsError::UnsupportedArchitecture(architecture.to_owned()))
+            }
+        };
         let context_length = if model.is_dir() {
-            hf_context_length(model)?
+            let (model_type, context_length) = hf_config(model)?;
+            supported(&model_type)?;
+            context_length
         } else {
             let file = GgufFile::open(model)?;
             let architecture = file.get_str("general.architecture")?;
+            supported(architecture)?;
             file.get_u64(&format!("{architecture}.context_length"))? as u32
         };
         Ok(Self::new(
@@ -58,7 +71,8 @@ impl ModelLimits {
     }
 }
 
-fn hf_context_length(dir: &Path) -> Result<u32, ModelLimitsError> {
+/// (`model_type`, `max_position_embeddings`) of a Hugging Face folder.
+fn hf_config(dir: &Path) -> Result<(String, u32), ModelLimitsError> {
     let path = dir.join("config.json");
     let problem = |problem: String| ModelLimitsError::HfConfig {
         path: path.display().to_string(),
@@ -66,8 +80,10 @@ fn hf_context_length(dir: &Path) -> Result<u32, ModelLimitsError> {
     };
     let text = std::fs::read_to_string(&path).map_err(|e| problem(e.to_string()))?;
     let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| problem(e.to_string()))?;
-    config["max_position_embeddings"]
+    let model_type = config["model_type"].as_str().unwrap_or_default().to_owned();
+    let context_length = config["max_position_embeddings"]
         .as_u64()
         .map(|n| n as u32)
-        .ok_or_else(|| problem("no max_position_embeddings".to_owned()))
+        .ok_or_else(|| problem("no max_position_embeddings".to_owned()))?;
+    Ok((model_type, context_length))
 }

@@ -12,6 +12,8 @@ use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::Duration;
 
+use anyhow::Context;
+
 use rivulet::proto;
 use rivulet::proto::admin_server::AdminServer;
 use rivulet::proto::generation_server::GenerationServer;
@@ -36,8 +38,11 @@ type HealthReporter = tonic_health::server::HealthReporter;
 
 /// Loads the tokenizer, starts the workers and the engine, and serves until a shutdown signal.
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    let tokenizer = Arc::new(ModelTokenizer::from_model_path(&config.model.path)?);
-    let limits = ModelLimits::read(&config.model.path, tokenizer.vocab_size(), config.model.max_model_len)?;
+    let model = config.model.path.display().to_string();
+    let tokenizer =
+        Arc::new(ModelTokenizer::from_model_path(&config.model.path).with_context(|| format!("model {model}"))?);
+    let limits = ModelLimits::read(&config.model.path, tokenizer.vocab_size(), config.model.max_model_len)
+        .with_context(|| format!("model {model}"))?;
     let served_model_name = config.served_model_name();
     let metrics = Arc::new(Metrics::new(&served_model_name)?);
     // Bound before any worker starts: a taken port fails the start with nothing to clean up.

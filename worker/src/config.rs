@@ -6,7 +6,7 @@ use rivulet_gguf::GgufFile;
 use crate::error::WorkerError;
 
 /// Architectures whose tensors and forward pass are the Llama layout.
-const LLAMA_FAMILY: &[&str] = &["llama"];
+use rivulet_ipc::SUPPORTED_ARCHITECTURES as LLAMA_FAMILY;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
