@@ -121,6 +121,15 @@ pub struct SchedulerConfig {
     pub no_worker_timeout_secs: u64,
     /// Confidence stop for requests that set none: end at the first token less likely than this.
     pub confidence_threshold: Option<f32>,
+    /// Adapt each replica's token budget per step (up to `max_num_batched_tokens`) to its
+    /// measured step time (`scheduler::adaptive`).
+    pub adaptive_batching: bool,
+    /// Adaptive batching: the step time to keep near, in milliseconds.
+    pub adaptive_target_step_ms: u64,
+    /// Adaptive batching: grow the budget only after steps that used this share of it.
+    pub adaptive_target_utilization: f64,
+    /// Adaptive batching: steps over which the budget ramps up from `max_num_seqs`.
+    pub adaptive_warmup_iterations: u32,
 }
 
 impl Default for Config {
@@ -166,6 +175,10 @@ impl Default for Config {
                 prefix_cache_ttl_seconds: None,
                 no_worker_timeout_secs: 60,
                 confidence_threshold: None,
+                adaptive_batching: false,
+                adaptive_target_step_ms: 100,
+                adaptive_target_utilization: 0.8,
+                adaptive_warmup_iterations: 8,
             },
         }
     }
@@ -280,6 +293,12 @@ impl Config {
         }
         if self.server.served_model_name.as_deref() == Some("") {
             return invalid("server.served_model_name", "must not be empty");
+        }
+        if !(self.scheduler.adaptive_target_utilization > 0.0 && self.scheduler.adaptive_target_utilization <= 1.0) {
+            return invalid("scheduler.adaptive_target_utilization", "must be in (0, 1]");
+        }
+        if self.scheduler.adaptive_target_step_ms == 0 {
+            return invalid("scheduler.adaptive_target_step_ms", "must be positive");
         }
         if self.scheduler.no_worker_timeout_secs == 0 {
             return invalid("scheduler.no_worker_timeout_secs", "must be positive");

@@ -19,6 +19,8 @@
 //! - `ThroughputFirst`: decodes first, longest sequences first; then prefills; new sequences are
 //!   admitted only while the step has room.
 
+pub mod adaptive;
+
 use crate::block_manager::{Admission, BlockManager};
 use crate::queue::WaitingQueue;
 use crate::sequence::{Sequence, SequenceId};

@@ -36,6 +36,7 @@ use crate::replica::attach_listener::AttachListener;
 use crate::replica::driver::{DriverHandle, WorkerSource};
 use crate::replica::{Replica, ReplicaId, ReplicaOrigin, ReplicaState};
 use crate::request::{EngineError, SequenceEvent};
+use crate::scheduler::adaptive::{AdaptiveBatching, TokenBudget};
 use crate::scheduler::{SchedulerLimits, SchedulingPolicy};
 use crate::sequence::{Sequence, SequenceId};
 use crate::stats::EngineStats;
@@ -119,6 +120,8 @@ struct Engine {
     tokenizer: Arc<ModelTokenizer>,
     limits: Arc<ModelLimits>,
     scheduler_limits: SchedulerLimits,
+    /// `scheduler.adaptive_*`, when adaptive batching is on.
+    adaptive: Option<AdaptiveBatching>,
     block_config: BlockManagerConfig,
     policy: SchedulingPolicy,
     replicas: Vec<Replica>,
@@ -155,6 +158,11 @@ impl Engine {
                 max_num_seqs: scheduler.max_num_seqs as usize,
                 max_num_batched_tokens: scheduler.max_num_batched_tokens as usize,
             },
+            adaptive: scheduler.adaptive_batching.then(|| AdaptiveBatching {
+                target_step: Duration::from_millis(scheduler.adaptive_target_step_ms),
+                target_utilization: scheduler.adaptive_target_utilization,
+                warmup_iterations: scheduler.adaptive_warmup_iterations,
+            }),
             block_config: BlockManagerConfig {
                 reserved_block_ratio: scheduler.reserved_block_ratio,
                 backpressure_threshold: scheduler.backpressure_threshold,
@@ -196,6 +204,15 @@ impl Engine {
             self.publish_health();
         }
         self.shut_down();
+    }
+
+    /// A new replica's token budget per step.
+    fn token_budget(&self) -> TokenBudget {
+        let limits = self.scheduler_limits;
+        match self.adaptive {
+            Some(adaptive) => TokenBudget::adaptive(adaptive, limits.max_num_seqs, limits.max_num_batched_tokens),
+            None => TokenBudget::fixed(limits.max_num_batched_tokens),
+        }
     }
 
     fn is_idle(&self) -> bool {

@@ -65,7 +65,15 @@ impl Engine {
                     replica.driver.stop();
                     return;
                 }
-                let live = LiveReplica::new(ready, buffer, self.scheduler_limits, self.policy, self.block_config);
+                let budget = self.token_budget();
+                let live = LiveReplica::new(
+                    ready,
+                    buffer,
+                    self.scheduler_limits,
+                    self.policy,
+                    self.block_config,
+                    budget,
+                );
                 let replica = &mut self.replicas[index];
                 replica.live = Some(live);
                 if replica.state != ReplicaState::Draining {

@@ -13,6 +13,7 @@ use crate::block_manager::{BlockManager, BlockManagerConfig};
 use crate::completion;
 use crate::queue::WaitingQueue;
 use crate::request::{EngineError, SequenceEvent};
+use crate::scheduler::adaptive::TokenBudget;
 use crate::scheduler::{Scheduler, SchedulerLimits, SchedulingPolicy, StepPlan};
 use crate::sequence::Sequence;
 use crate::stats::EngineStats;
@@ -28,6 +29,8 @@ pub struct LiveReplica {
     pub scheduler: Scheduler,
     pub running: Vec<Sequence>,
     pub waiting: WaitingQueue,
+    /// Tokens per step: fixed, or adapted to the measured step time.
+    budget: TokenBudget,
     /// With the engine between steps; with the driver while one runs.
     buffer: Option<Box<StepBuffer>>,
     in_flight: Option<InFlight>,
@@ -48,8 +51,10 @@ impl LiveReplica {
         limits: SchedulerLimits,
         policy: SchedulingPolicy,
         block_config: BlockManagerConfig,
+        budget: TokenBudget,
     ) -> Self {
         Self {
+            budget,
             blocks: BlockManager::new(ready.num_blocks, ready.block_size, block_config),
             ready,
             scheduler: Scheduler::new(limits, policy),
@@ -102,6 +107,7 @@ impl LiveReplica {
         }
         let started = Instant::now();
         self.blocks.expire_cached(started);
+        self.scheduler.limits.max_num_batched_tokens = self.budget.current();
         let (queried_before, hit_before) = self.blocks.prefix_lookup_counts();
         let plan = self
             .scheduler
@@ -158,6 +164,7 @@ impl LiveReplica {
             eos_token_ids: &self.ready.eos_token_ids,
             max_model_len: self.ready.max_model_len as usize,
         };
+        self.budget.observe(in_flight.plan.num_tokens, timing.worker);
         let generated = apply_outputs(&mut self.running, &mut self.blocks, &in_flight.plan, &buffer, &context);
         stats.record_tokens(generated);
         stats.record_step(
