@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Rivulet's two fronts against one server: gRPC `StreamGenerate` and the OpenAI-compatible HTTP
 # `/v1/completions` (server-sent events), alternating runs of the same workload at each
-# concurrency, then one table per concurrency with the ratio HTTP/gRPC.
+# concurrency (prefix cache off, so neither front reuses the other's prompts), then one table per
+# concurrency with the ratio HTTP/gRPC.
 #
 #   bench/fronts.sh [--concurrency "8 32"] [--rounds 2] [--num-prompts 64]
 #                   [--input-len 128] [--output-len 64]
@@ -30,7 +31,9 @@ cargo build --release --workspace --bins --quiet
 OUT="$ROOT/bench/results/fronts-$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$OUT"
 PORT=50156
-start_rivulet "$PORT" "$OUT/rivulet.log"
+# Both fronts send the same prompts (same seed): without the prefix cache the second would be
+# served from what the first computed.
+start_rivulet "$PORT" "$OUT/rivulet.log" RIVULET_SCHEDULER__PREFIX_CACHE=false
 
 for clients in $CONCURRENCY; do
     common=(run --dataset random --num-prompts "$PROMPTS" --random-input-len "$INPUT_LEN"
