@@ -80,12 +80,14 @@ impl GgmlType {
         }
     }
 
-    /// Bytes taken by `elements` values, or `None` if they are not whole blocks.
+    /// Bytes taken by `elements` values, or `None` if they are not whole blocks or the byte
+    /// count overflows.
     pub fn byte_len(self, elements: u64) -> Option<u64> {
         let (block_elems, block_bytes) = self.block_layout();
         elements
             .is_multiple_of(block_elems)
-            .then(|| elements / block_elems * block_bytes)
+            .then(|| (elements / block_elems).checked_mul(block_bytes))
+            .flatten()
     }
 }
 

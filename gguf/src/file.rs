@@ -227,7 +227,7 @@ impl GgufFile {
             let data_len = ggml_type.byte_len(elements).ok_or_else(|| {
                 invalid(
                     &format!("shape of tensor `{name}`"),
-                    &format!("{elements} elements is not a whole number of {ggml_type:?} blocks"),
+                    &format!("{elements} elements is not a whole number of {ggml_type:?} blocks, or too many"),
                 )
             })?;
             let data_offset = data_start
@@ -517,5 +517,13 @@ mod tests {
         let file = GgufFile::parse(tiny_file()).expect("parse");
         assert!(matches!(file.get_u64("general.name"), Err(GgufError::WrongType { .. })));
         assert!(matches!(file.dequantize("nope"), Err(GgufError::MissingTensor(_))));
+    }
+
+    #[test]
+    fn a_tensor_whose_byte_length_overflows_is_refused() {
+        // Found by the `gguf_parse` fuzz target: whole blocks × block bytes overflowed u64, so a
+        // wrapped length passed the bounds check and dequantization then panicked.
+        let input = include_bytes!("../tests/data/byte_len_overflow.gguf");
+        assert!(GgufFile::parse(input.to_vec()).is_err());
     }
 }

@@ -11,13 +11,12 @@
 mod text;
 mod token;
 
-pub use text::OutputText;
+pub use text::{OutputText, TextProgress};
 pub use token::check_token_completion;
 
 use crate::request::{EngineError, FinishReason};
 use crate::sequence::Sequence;
 use crate::tokenizer::ModelTokenizer;
-use text::TextProgress;
 
 /// What one new token means for its sequence.
 #[derive(Debug, Clone, PartialEq)]
