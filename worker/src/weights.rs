@@ -64,8 +64,8 @@ impl Loader<'_> {
         progress.tensors_loaded += 1;
         progress.bytes_loaded += bytes;
         self.progress.set(progress);
-        let done = progress.tensors_loaded == progress.tensors_total;
-        if done || progress.percent() / 5 != before / 5 {
+        // The last report comes from `load_reporting` once every tensor is in.
+        if progress.percent() / 5 != before / 5 {
             (self.report.borrow_mut())(progress);
         }
     }

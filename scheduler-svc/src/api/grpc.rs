@@ -129,20 +129,15 @@ impl Generation for GenerationService {
         request: Request<proto::GenerateRequest>,
     ) -> Result<Response<proto::GenerateResponse>, Status> {
         let mut events = self.submit(request)?;
-        let mut response = proto::GenerateResponse::default();
-        while let Some(event) = events.next().await {
-            // The same messages the stream carries, so unary and streaming results agree.
-            let message = stream_message(event)?;
-            response.token_ids.extend(message.token_ids);
-            response.text.push_str(&message.text);
-            response.logprobs.extend(message.logprobs);
-            if message.usage.is_some() {
-                response.finish_reason = message.finish_reason;
-                response.usage = message.usage;
-                return Ok(with_request_id(response, events.id()));
-            }
-        }
-        Err(engine_status(EngineError::ShuttingDown))
+        let completed = events.whole_result().await.map_err(engine_status)?;
+        let response = proto::GenerateResponse {
+            text: completed.text,
+            token_ids: completed.token_ids,
+            finish_reason: proto_reason(completed.reason) as i32,
+            usage: Some(proto_usage(completed.usage)),
+            logprobs: completed.logprobs.into_iter().map(proto_logprob).collect(),
+        };
+        Ok(with_request_id(response, events.id()))
     }
 
     type StreamGenerateStream = EventStream;

@@ -9,10 +9,10 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedReceiver;
-use tokio_stream::Stream;
+use tokio_stream::{Stream, StreamExt};
 
 use crate::metrics::Metrics;
-use crate::request::{EngineError, FinishReason, SequenceEvent};
+use crate::request::{EngineError, FinishReason, SequenceEvent, TokenLogprob, Usage};
 
 /// OpenAI's (and vLLM's metrics') word for a finish reason.
 pub fn openai_finish_reason(reason: FinishReason) -> &'static str {
@@ -23,6 +23,16 @@ pub fn openai_finish_reason(reason: FinishReason) -> &'static str {
         FinishReason::MaxTokens | FinishReason::Length => "length",
         FinishReason::Cancelled => "abort",
     }
+}
+
+/// A whole result, for the fronts' unary calls.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completed {
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<TokenLogprob>,
+    pub reason: FinishReason,
+    pub usage: Usage,
 }
 
 pub struct TrackedRequest {
@@ -63,6 +73,46 @@ impl TrackedRequest {
 
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// Waits for the whole result: the events' text, tokens and logprobs joined, with the last
+    /// event's finish reason and usage — what the stream carries, so unary and streaming agree.
+    pub async fn whole_result(&mut self) -> Result<Completed, EngineError> {
+        let (mut text, mut token_ids, mut logprobs) = (String::new(), Vec::new(), Vec::new());
+        while let Some(event) = self.next().await {
+            match event {
+                SequenceEvent::Tokens {
+                    token_ids: ids,
+                    text: delta,
+                    logprobs: lp,
+                } => {
+                    text.push_str(&delta);
+                    token_ids.extend(ids);
+                    logprobs.extend(lp);
+                }
+                SequenceEvent::Finished {
+                    reason,
+                    token_ids: ids,
+                    text: delta,
+                    usage,
+                    logprobs: lp,
+                    ..
+                } => {
+                    text.push_str(&delta);
+                    token_ids.extend(ids);
+                    logprobs.extend(lp);
+                    return Ok(Completed {
+                        text,
+                        token_ids,
+                        logprobs,
+                        reason,
+                        usage,
+                    });
+                }
+                SequenceEvent::Failed(error) => return Err(error),
+            }
+        }
+        Err(EngineError::ShuttingDown)
     }
 
     fn observe(&mut self, event: &SequenceEvent) {

@@ -19,7 +19,7 @@ use super::openai::{
 };
 use super::translate::{to_draft, Endpoint};
 use super::{unix_seconds, HttpState, RequestId};
-use crate::api::tracking::openai_finish_reason;
+use crate::api::tracking::{openai_finish_reason, TrackedRequest};
 use crate::request::{SequenceEvent, TokenLogprob, Usage};
 use crate::tokenizer::ModelTokenizer;
 
@@ -86,45 +86,21 @@ async fn generate(
     }
 }
 
-async fn whole_response(mut builder: ChoiceBuilder, mut events: crate::api::tracking::TrackedRequest) -> Response {
-    let mut text = String::new();
-    let mut token_ids = Vec::new();
-    let mut logprobs = Vec::new();
-    while let Some(event) = events.next().await {
-        match event {
-            SequenceEvent::Tokens {
-                token_ids: ids,
-                text: delta,
-                logprobs: lp,
-            } => {
-                text.push_str(&delta);
-                token_ids.extend(ids);
-                logprobs.extend(lp);
-            }
-            SequenceEvent::Finished {
-                reason,
-                token_ids: ids,
-                text: delta,
-                usage,
-                logprobs: lp,
-                ..
-            } => {
-                text.push_str(&delta);
-                token_ids.extend(ids);
-                logprobs.extend(lp);
-                let choice = builder.choice(text, token_ids, &logprobs, Some(openai_finish_reason(reason)), false);
-                let object = builder.endpoint.object(false);
-                return Json(builder.body(object, vec![choice], Some(usage_body(usage)))).into_response();
-            }
-            SequenceEvent::Failed(error) => return ApiError::engine(&error).into_response(),
+async fn whole_response(mut builder: ChoiceBuilder, mut events: TrackedRequest) -> Response {
+    match events.whole_result().await {
+        Ok(done) => {
+            let reason = Some(openai_finish_reason(done.reason));
+            let choice = builder.choice(done.text, done.token_ids, &done.logprobs, reason, false);
+            let object = builder.endpoint.object(false);
+            Json(builder.body(object, vec![choice], Some(usage_body(done.usage)))).into_response()
         }
+        Err(error) => ApiError::engine(&error).into_response(),
     }
-    ApiError::engine(&crate::request::EngineError::ShuttingDown).into_response()
 }
 
 fn stream_response(
     mut builder: ChoiceBuilder,
-    events: crate::api::tracking::TrackedRequest,
+    events: TrackedRequest,
     include_usage: bool,
 ) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
     let object = builder.endpoint.object(true);
