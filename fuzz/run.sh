@@ -4,10 +4,18 @@
 # fuzz/corpus/<target> grows as coverage does; a crash is written to fuzz/artifacts/<target> and
 # fails the run — turn it into a unit test beside the code it broke.
 #
-#   fuzz/run.sh [SECONDS] [TARGET...]
+#   fuzz/run.sh [--check] [SECONDS] [TARGET...]
+#
+# --check (what scripts/test.sh runs): the checked-in corpus is only read; inputs the run finds go
+# to a scratch folder, so a test run leaves the work tree as it was. A crash still fails it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+CHECK=0
+if [[ "${1:-}" == "--check" ]]; then
+    CHECK=1
+    shift
+fi
 SECONDS_EACH="${1:-60}"
 shift || true
 TARGETS=("$@")
@@ -16,9 +24,19 @@ if [[ ${#TARGETS[@]} -eq 0 ]]; then
 fi
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 export RUSTC_BOOTSTRAP=1
+SCRATCH="$(mktemp -d)"
+trap 'rm -rf "$SCRATCH"' EXIT
 for target in "${TARGETS[@]}"; do
-    mkdir -p "fuzz/corpus/$target"
+    mkdir -p "fuzz/corpus/$target" "fuzz/artifacts/$target"
+    if [[ $CHECK -eq 1 ]]; then
+        # libFuzzer writes new inputs to its first corpus folder and only reads the others.
+        corpora=("$SCRATCH/$target" "fuzz/corpus/$target")
+        mkdir -p "$SCRATCH/$target"
+    else
+        corpora=("fuzz/corpus/$target")
+    fi
     echo "== $target ($SECONDS_EACH s)"
-    cargo fuzz run --fuzz-dir fuzz "$target" "fuzz/corpus/$target" -- \
-        -max_total_time="$SECONDS_EACH" -max_len=65536 -rss_limit_mb=4096
+    cargo fuzz run --fuzz-dir fuzz "$target" "${corpora[@]}" -- \
+        -max_total_time="$SECONDS_EACH" -max_len=65536 -rss_limit_mb=4096 \
+        -artifact_prefix="fuzz/artifacts/$target/"
 done

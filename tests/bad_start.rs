@@ -1,6 +1,7 @@
 //! A server that cannot serve says so at once: a truncated model file, a model of an architecture
-//! the worker cannot run, a missing worker binary — each stops the start with a message naming
-//! the problem and a non-zero exit code, instead of a server that never becomes ready.
+//! the worker cannot run, a missing worker binary or one of another protocol version — each stops
+//! the start with a message naming the problem and a non-zero exit code, instead of a server that
+//! never becomes ready.
 
 mod common;
 
@@ -49,6 +50,15 @@ fn scratch(name: &str) -> std::path::PathBuf {
     dir.join(name)
 }
 
+/// A shell script named `name` in the scratch folder, executable, running `body`.
+fn executable_script(name: &str, body: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = scratch(name);
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).expect("write");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    path
+}
+
 /// The GGUF file with its `general.architecture` value replaced by another of the same length.
 fn with_architecture(model: &Path, architecture: &[u8; 5]) -> Vec<u8> {
     let mut bytes = std::fs::read(model).expect("model");
@@ -91,6 +101,26 @@ fn a_model_or_worker_that_cannot_serve_stops_the_start_with_the_problem_named() 
     assert_ne!(code, 0);
     assert!(
         stderr.contains("/nonexistent/rivulet-worker") && stderr.contains("worker.binary"),
+        "{stderr}"
+    );
+
+    // Worker binaries of another build, standing in as scripts: one that answers the scheduler's
+    // `--protocol-version` question with an older version, one from before the question existed.
+    let older = executable_script("older-worker", "echo 1");
+    let (code, stderr) = failed_start(&[("RIVULET_WORKER__BINARY", &older.display().to_string())]);
+    assert_ne!(code, 0);
+    assert!(
+        stderr.contains(&older.display().to_string()) && stderr.contains("speaks protocol version 1"),
+        "{stderr}"
+    );
+    let ancient = executable_script(
+        "ancient-worker",
+        "echo \"error: unexpected argument '--protocol-version' found\" >&2; exit 2",
+    );
+    let (code, stderr) = failed_start(&[("RIVULET_WORKER__BINARY", &ancient.display().to_string())]);
+    assert_ne!(code, 0);
+    assert!(
+        stderr.contains("did not tell its protocol version") && stderr.contains("unexpected argument"),
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(truncated.parent().expect("dir"));

@@ -11,7 +11,8 @@
 //! - [`block_manager`]: paged KV block accounting.
 //! - [`completion`]: every way a sequence ends, decided in one place as one typed outcome.
 //! - `rivulet_text` ([`detokenizer`], [`tokenizer`], [`chat_template`]): text in and out.
-//! - [`worker_client`], [`step_writer`]: a worker process and its shared-memory step buffer.
+//! - [`worker_client`], [`step_writer`]: a worker process and its shared-memory step buffer;
+//!   [`worker_protocol`]: refusing a worker binary of another protocol version.
 
 pub mod api;
 // The text side lives in its own crate (the benchmark uses it without the server).
@@ -34,3 +35,4 @@ pub mod server;
 pub mod stats;
 pub mod step_writer;
 pub mod worker_client;
+pub mod worker_protocol;

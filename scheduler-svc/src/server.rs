@@ -13,13 +13,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use axum::serve::ListenerExt;
 
 use rivulet::proto;
 use rivulet::proto::admin_server::AdminServer;
 use rivulet::proto::generation_server::GenerationServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 
 use crate::api::admin::AdminService;
@@ -113,7 +114,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             api_key.grpc_interceptor(),
         ))
         .serve_with_incoming_shutdown(
-            TcpListenerStream::new(grpc_listener),
+            // Token messages are small: Nagle would hold each one until the last was acknowledged.
+            TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
             shutdown.clone().cancelled_owned(),
         );
     let admin_key = if config.server.admin_listen.ip().is_loopback() {
@@ -130,7 +132,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             admin_key.grpc_interceptor(),
         ))
         .serve_with_incoming_shutdown(
-            TcpListenerStream::new(admin_listener),
+            TcpIncoming::from(admin_listener).with_nodelay(Some(true)),
             shutdown.clone().cancelled_owned(),
         );
     let http_state = HttpState {
@@ -138,6 +140,11 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         api_key,
         created: http::unix_seconds(),
     };
+    let http_listener = http_listener.tap_io(|tcp| {
+        if let Err(error) = tcp.set_nodelay(true) {
+            tracing::debug!(%error, "could not set TCP_NODELAY");
+        }
+    });
     let http = axum::serve(http_listener, http::router(http_state))
         .with_graceful_shutdown(shutdown.clone().cancelled_owned())
         .into_future();

@@ -17,8 +17,15 @@ use rivulet_worker::service::{serve, WorkerOptions};
 struct Args {
     /// Attach to the scheduler listening on this Unix socket (its `worker.attach_socket`); the
     /// scheduler sends the model and cache settings.
-    #[arg(long, conflicts_with = "ipc_server", required_unless_present = "ipc_server")]
+    #[arg(
+        long,
+        conflicts_with = "ipc_server",
+        required_unless_present_any = ["ipc_server", "protocol_version"]
+    )]
     attach: Option<PathBuf>,
+    /// With --attach: how long to wait for the scheduler's socket to appear (seconds).
+    #[arg(long, default_value_t = 120)]
+    attach_wait_secs: u64,
     /// Name of the scheduler's IpcOneShotServer to connect to (set by a spawning scheduler).
     #[arg(long, requires = "model")]
     ipc_server: Option<String>,
@@ -47,10 +54,18 @@ struct Args {
     /// Log lines as JSON; the scheduler's own setting (and variable), so a pod's log is one format.
     #[arg(long, env = "RIVULET_SERVER__JSON_LOGS")]
     json_logs: bool,
+    /// Print the scheduler ⇄ worker protocol version this build speaks, and exit (the scheduler
+    /// asks before spawning, so a worker binary of another version is refused at start).
+    #[arg(long)]
+    protocol_version: bool,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.protocol_version {
+        println!("{}", rivulet_ipc::attach::PROTOCOL_VERSION);
+        return Ok(());
+    }
     let subscriber = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr);
@@ -66,7 +81,11 @@ fn main() -> anyhow::Result<()> {
     let mut _attach_connection = None;
     let (options, server_name) = match (&args.attach, args.ipc_server) {
         (Some(socket), _) => {
-            let (assignment, connection) = rivulet_worker::attach::register(socket, &args.device)?;
+            let (assignment, connection) = rivulet_worker::attach::register(
+                socket,
+                &args.device,
+                std::time::Duration::from_secs(args.attach_wait_secs),
+            )?;
             _attach_connection = Some(connection);
             tracing::info!(socket = %socket.display(), model = %assignment.model.display(), "attached to the scheduler");
             let options = rivulet_worker::attach::options(&assignment, args.device, args.threads);

@@ -51,6 +51,8 @@ pub use queue_control::{QueueSnapshot, QueuedRequest};
 pub enum EngineStartError {
     #[error("the worker binary `{0}` does not exist (set worker.binary)")]
     WorkerBinaryMissing(String),
+    #[error(transparent)]
+    WorkerProtocol(#[from] crate::worker_protocol::WorkerProtocolError),
     #[error("worker.attach_socket `{path}`: {source}")]
     AttachSocket { path: String, source: std::io::Error },
     #[error("starting the engine thread: {0}")]
@@ -69,6 +71,9 @@ pub fn start(
     let binary = worker_binary(&config);
     if config.worker.replicas > 0 && binary.components().count() > 1 && !binary.exists() {
         return Err(EngineStartError::WorkerBinaryMissing(binary.display().to_string()));
+    }
+    if config.worker.replicas > 0 {
+        crate::worker_protocol::check_worker_protocol(&binary)?;
     }
     let (inputs, input_rx) = mpsc::channel();
     let (serving_tx, serving) = watch::channel(false);

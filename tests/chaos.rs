@@ -1,0 +1,598 @@
+//! The chaos soak: hundreds of mixed requests against two worker replicas while one worker is
+//! SIGKILLed twice and SIGSTOPped once (a hang the step deadline catches), and overload bursts of
+//! several times the queue bound. Every call must end with its tokens and a finish reason, or —
+//! during a burst only — with `RESOURCE_EXHAUSTED`, refused at once; never `UNAVAILABLE` (the other
+//! replica is always up), never hang. Greedy outputs during and after equal transformers';
+//! seeded ones equal an undisturbed run's; stop strings trim the text exactly. Afterwards no KV
+//! block is held, nothing waits or runs, the scheduler's resident memory is back near where it
+//! started, and SIGTERM leaves no shared-memory segment.
+//!
+//! The client mix and timings come from a seeded RNG (`CHAOS_SEED` replays a run).
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{assert_no_blocks_held, greedy_request, reference_tokens, shm_segments, signal, TestServer};
+use futures::future::join_all;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rivulet::proto::generation_client::GenerationClient;
+use rivulet::proto::{FinishReason, GenerateRequest, SamplingParams};
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+use tonic::Code;
+
+const REFERENCE_TOKENS: u32 = 24;
+const SEEDED_TOKENS: u32 = 12;
+/// `scheduler.max_queued_requests` of the soak's server; bursts send several times as many.
+const QUEUE_BOUND: usize = 12;
+const BURST: usize = 4 * QUEUE_BOUND;
+/// Concurrent clients of the steady mixed load (fewer than the queue bound: alone, it is never
+/// refused).
+const CLIENTS: usize = 8;
+/// The steady load goes on until the chaos is over and at least this many calls were answered.
+const MIN_CALLS: usize = 240;
+/// A call still unanswered after this long hangs.
+const CALL_DEADLINE: Duration = Duration::from_secs(180);
+/// "At once": a refusal slower than this waited for something.
+const REFUSAL_DEADLINE: Duration = Duration::from_millis(250);
+/// How far the scheduler's resident memory may stay above its warmed-up level.
+const RSS_MARGIN_KB: u64 = 16 * 1024;
+
+fn prompts() -> Vec<String> {
+    [
+        "The capital of France is",
+        "Once upon a time, in a small village by the sea,",
+        "List three uses of copper:",
+        "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+        "def fibonacci(n):\n",
+        "A haiku about autumn leaves:",
+        "Explain photosynthesis to a child:",
+        "SELECT name FROM users WHERE",
+        "The Pythagorean theorem states that",
+        "Rust's borrow checker ensures that",
+    ]
+    .iter()
+    .map(|p| (*p).to_owned())
+    .collect()
+}
+
+/// What each prompt must give, from transformers (greedy) or an undisturbed run before the chaos.
+struct Expected {
+    prompts: Vec<String>,
+    greedy: Vec<Vec<u32>>,
+    seeded: Vec<Vec<u32>>,
+    /// A stop string inside the greedy output's text, and that text up to it.
+    stop: Vec<(String, String)>,
+}
+
+fn seeded_request(prompt: &str, index: usize) -> GenerateRequest {
+    GenerateRequest {
+        sampling: Some(SamplingParams {
+            temperature: Some(0.9),
+            seed: Some(1000 + index as u64),
+            ..Default::default()
+        }),
+        ..greedy_request(prompt, SEEDED_TOKENS)
+    }
+}
+
+fn stop_request(prompt: &str, stop: &str) -> GenerateRequest {
+    let mut request = greedy_request(prompt, REFERENCE_TOKENS);
+    if let Some(stopping) = request.stopping.as_mut() {
+        stopping.stop = vec![stop.to_owned()];
+    }
+    request
+}
+
+/// Three characters from the middle of `text` (not all blank) and the text before their first
+/// occurrence.
+fn stop_string_within(text: &str) -> (String, String) {
+    let chars: Vec<char> = text.chars().collect();
+    let start = (chars.len() / 2..chars.len().saturating_sub(3))
+        .find(|&i| chars[i..i + 3].iter().any(|c| !c.is_whitespace()))
+        .unwrap_or_else(|| panic!("no stop string in {text:?}"));
+    let stop: String = chars[start..start + 3].iter().collect();
+    let cut = text.find(&stop).expect("the stop string is in the text");
+    (stop, text[..cut].to_owned())
+}
+
+/// One call of the mixed load.
+#[derive(Clone, Copy, Debug)]
+enum Call {
+    GreedyUnary {
+        prompt: usize,
+        tokens: u32,
+    },
+    GreedyStream {
+        prompt: usize,
+        tokens: u32,
+    },
+    Seeded {
+        prompt: usize,
+        stream: bool,
+    },
+    StopString {
+        prompt: usize,
+    },
+    /// A stream the client drops after this many messages.
+    CancelledStream {
+        prompt: usize,
+        after_messages: usize,
+    },
+    /// A unary call the client gives up on after this long.
+    CancelledUnary {
+        prompt: usize,
+        after: Duration,
+    },
+}
+
+impl Call {
+    fn random(rng: &mut StdRng, prompts: usize) -> Self {
+        let prompt = rng.random_range(0..prompts);
+        let tokens = rng.random_range(4..=REFERENCE_TOKENS);
+        match rng.random_range(0..6) {
+            0 => Call::GreedyUnary { prompt, tokens },
+            1 => Call::GreedyStream { prompt, tokens },
+            2 => Call::Seeded {
+                prompt,
+                stream: rng.random(),
+            },
+            3 => Call::StopString { prompt },
+            4 => Call::CancelledStream {
+                prompt,
+                after_messages: rng.random_range(1..=4),
+            },
+            _ => Call::CancelledUnary {
+                prompt,
+                after: Duration::from_millis(rng.random_range(20..1500)),
+            },
+        }
+    }
+}
+
+#[derive(Debug, PartialEq)]
+enum Outcome {
+    Served,
+    Cancelled,
+    Refused(Duration),
+}
+
+/// Tokens and the last finish reason of a stream read to its end.
+async fn read_stream(
+    client: &mut GenerationClient<Channel>,
+    request: GenerateRequest,
+) -> Result<(Vec<u32>, FinishReason), tonic::Status> {
+    let mut stream = client.stream_generate(request).await?.into_inner();
+    let (mut tokens, mut reason) = (Vec::new(), FinishReason::Unspecified);
+    while let Some(message) = stream.next().await {
+        let message = message?;
+        reason = message.finish_reason();
+        tokens.extend(message.token_ids);
+    }
+    Ok((tokens, reason))
+}
+
+fn check(what: &str, ok: bool, detail: impl FnOnce() -> String) -> Result<(), String> {
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("{what}: {}", detail()))
+    }
+}
+
+/// Makes `call` and checks what came back; `Err` describes a broken promise.
+async fn make(client: &mut GenerationClient<Channel>, call: Call, expected: &Expected) -> Result<Outcome, String> {
+    let started = Instant::now();
+    let result = tokio::time::timeout(CALL_DEADLINE, make_unchecked(client, call, expected)).await;
+    match result {
+        Err(_) => Err(format!("{call:?} hung for {CALL_DEADLINE:?}")),
+        Ok(Ok(checked)) => checked.map_err(|broken| format!("{call:?}: {broken}")),
+        Ok(Err(status)) if status.code() == Code::ResourceExhausted => Ok(Outcome::Refused(started.elapsed())),
+        Ok(Err(status)) => Err(format!("{call:?} failed: {status:?}")),
+    }
+}
+
+/// The call itself: a transport `Status` (refusal or failure) or the checked outcome.
+async fn make_unchecked(
+    client: &mut GenerationClient<Channel>,
+    call: Call,
+    expected: &Expected,
+) -> Result<Result<Outcome, String>, tonic::Status> {
+    let prompt_of = |p: usize| expected.prompts[p].as_str();
+    let served = match call {
+        Call::GreedyUnary { prompt, tokens } => {
+            let response = client
+                .generate(greedy_request(prompt_of(prompt), tokens))
+                .await?
+                .into_inner();
+            let want = &expected.greedy[prompt][..tokens as usize];
+            let reason = response.finish_reason();
+            check("greedy unary", response.token_ids == want, || {
+                format!("{:?} != {want:?}", response.token_ids)
+            })
+            .and(check("greedy unary", reason == FinishReason::MaxTokens, || {
+                format!("{reason:?}")
+            }))
+        }
+        Call::GreedyStream { prompt, tokens } => {
+            let (got, reason) = read_stream(client, greedy_request(prompt_of(prompt), tokens)).await?;
+            let want = &expected.greedy[prompt][..tokens as usize];
+            check("greedy stream", got == want, || format!("{got:?} != {want:?}")).and(check(
+                "greedy stream",
+                reason == FinishReason::MaxTokens,
+                || format!("{reason:?}"),
+            ))
+        }
+        Call::Seeded { prompt, stream } => {
+            let request = seeded_request(prompt_of(prompt), prompt);
+            let got = if stream {
+                read_stream(client, request).await?.0
+            } else {
+                client.generate(request).await?.into_inner().token_ids
+            };
+            let want = &expected.seeded[prompt];
+            check("seeded", &got == want, || format!("{got:?} != {want:?}"))
+        }
+        Call::StopString { prompt } => {
+            let (stop, want) = &expected.stop[prompt];
+            let response = client
+                .generate(stop_request(prompt_of(prompt), stop))
+                .await?
+                .into_inner();
+            let reason = response.finish_reason();
+            check("stop string", &response.text == want, || {
+                format!("{:?} != {want:?}", response.text)
+            })
+            .and(check("stop string", reason == FinishReason::StopString, || {
+                format!("{reason:?}")
+            }))
+        }
+        Call::CancelledStream { prompt, after_messages } => {
+            let request = greedy_request(prompt_of(prompt), REFERENCE_TOKENS);
+            let mut stream = client.stream_generate(request).await?.into_inner();
+            let mut tokens = Vec::new();
+            for _ in 0..after_messages {
+                match stream.next().await {
+                    Some(message) => tokens.extend(message?.token_ids),
+                    None => break,
+                }
+            }
+            // Dropping the stream here cancels the request mid-way.
+            let want = &expected.greedy[prompt][..tokens.len()];
+            let so_far = check("cancelled stream's tokens", tokens == want, || {
+                format!("{tokens:?} != {want:?}")
+            });
+            return Ok(so_far.map(|()| Outcome::Cancelled));
+        }
+        Call::CancelledUnary { prompt, after } => {
+            let request = greedy_request(prompt_of(prompt), REFERENCE_TOKENS);
+            let Ok(response) = tokio::time::timeout(after, client.generate(request)).await else {
+                // Dropping the call cancels the request.
+                return Ok(Ok(Outcome::Cancelled));
+            };
+            let got = response?.into_inner().token_ids;
+            let want = &expected.greedy[prompt];
+            check("unary done before its cancel", &got == want, || {
+                format!("{got:?} != {want:?}")
+            })
+        }
+    };
+    Ok(served.map(|()| Outcome::Served))
+}
+
+/// What the soak saw.
+#[derive(Default)]
+struct Ledger {
+    served: usize,
+    cancelled: usize,
+    refusals: Vec<Duration>,
+    broken: Vec<String>,
+}
+
+struct Soak {
+    client: GenerationClient<Channel>,
+    expected: Expected,
+    ledger: Mutex<Ledger>,
+    /// Bursts in flight (a refusal is only allowed while one is).
+    bursting: AtomicUsize,
+    chaos_over: AtomicBool,
+    /// Calls of the steady load answered (not refused).
+    answered: AtomicUsize,
+}
+
+impl Soak {
+    fn record(&self, call: Call, result: Result<Outcome, String>, during_burst: bool) {
+        let mut ledger = self.ledger.lock().expect("ledger");
+        match result {
+            Ok(Outcome::Served) => ledger.served += 1,
+            Ok(Outcome::Cancelled) => ledger.cancelled += 1,
+            Ok(Outcome::Refused(latency)) => {
+                if !during_burst {
+                    ledger.broken.push(format!("{call:?} refused outside a burst"));
+                }
+                if latency > REFUSAL_DEADLINE {
+                    ledger.broken.push(format!("{call:?} refused only after {latency:?}"));
+                }
+                ledger.refusals.push(latency);
+            }
+            Err(broken) => ledger.broken.push(broken),
+        }
+    }
+
+    fn broken(&self, what: String) {
+        self.ledger.lock().expect("ledger").broken.push(what);
+    }
+
+    fn bursting(&self) -> bool {
+        self.bursting.load(Ordering::SeqCst) > 0
+    }
+}
+
+/// One client of the steady mixed load: one call after another until the chaos is over and
+/// enough calls were answered. Refused, it backs off a little, as a real client would.
+async fn steady_client(soak: Arc<Soak>, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut client = soak.client.clone();
+    while !(soak.chaos_over.load(Ordering::SeqCst) && soak.answered.load(Ordering::SeqCst) >= MIN_CALLS) {
+        let call = Call::random(&mut rng, soak.expected.prompts.len());
+        let burst_before = soak.bursting();
+        let result = make(&mut client, call, &soak.expected).await;
+        let refused = matches!(result, Ok(Outcome::Refused(_)));
+        soak.record(call, result, burst_before || soak.bursting());
+        if refused {
+            tokio::time::sleep(Duration::from_millis(rng.random_range(50..250))).await;
+        } else {
+            soak.answered.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Sends `BURST` short calls at once while an admitted stream is running; the stream must keep
+/// receiving tokens while the burst is refused, and some of the burst must be refused.
+async fn burst(soak: &Soak, rng: &mut StdRng) {
+    let prompts = soak.expected.prompts.len();
+    let observed = rng.random_range(0..prompts);
+    let mut client = soak.client.clone();
+    let request = greedy_request(&soak.expected.prompts[observed], REFERENCE_TOKENS);
+    let mut observer = client
+        .stream_generate(request)
+        .await
+        .expect("observer stream")
+        .into_inner();
+    let mut tokens = observer.next().await.expect("a first message").expect("ok").token_ids;
+    soak.bursting.fetch_add(1, Ordering::SeqCst);
+    let start = Instant::now();
+    let observer = tokio::spawn(async move {
+        let mut arrivals = Vec::new();
+        while let Some(message) = observer.next().await {
+            tokens.extend(message?.token_ids);
+            arrivals.push(Instant::now());
+        }
+        Ok::<_, tonic::Status>((tokens, arrivals))
+    });
+    let calls: Vec<Call> = (0..BURST)
+        .map(|_| Call::GreedyUnary {
+            prompt: rng.random_range(0..prompts),
+            tokens: 4,
+        })
+        .collect();
+    let results = join_all(calls.iter().map(|&call| {
+        let mut client = soak.client.clone();
+        async move { make(&mut client, call, &soak.expected).await }
+    }))
+    .await;
+    let end = Instant::now();
+    soak.bursting.fetch_sub(1, Ordering::SeqCst);
+    let refused = results.iter().filter(|r| matches!(r, Ok(Outcome::Refused(_)))).count();
+    if refused == 0 {
+        soak.broken(format!(
+            "a burst of {BURST} over a queue bound of {QUEUE_BOUND} was not refused at all"
+        ));
+    }
+    for (call, result) in calls.into_iter().zip(results) {
+        soak.record(call, result, true);
+    }
+    match observer.await.expect("observer task") {
+        Ok((tokens, arrivals)) => {
+            if tokens != soak.expected.greedy[observed] {
+                soak.broken(format!("the stream beside a burst: {tokens:?}"));
+            }
+            if !arrivals.iter().any(|at| (start..=end).contains(at)) {
+                soak.broken("the stream beside a burst received nothing while it was refused".to_owned());
+            }
+        }
+        Err(status) => soak.broken(format!("the stream beside a burst failed: {status:?}")),
+    }
+    eprintln!("chaos: burst of {BURST}: {refused} refused, {:?}", end - start);
+}
+
+/// Waits until both replicas are ready and `restarts` workers were replaced in all.
+async fn both_ready_after(server: &TestServer, restarts: u32) {
+    common::wait_until(Duration::from_secs(300), "both replicas ready", || async {
+        let stats = server.stats().await;
+        stats.num_replicas_ready == 2 && stats.replicas.iter().map(|r| r.restarts).sum::<u32>() == restarts
+    })
+    .await;
+}
+
+/// Sends `sig` to the worker of the replica holding the most sequences (once one holds any).
+async fn disturb_busiest_worker(server: &TestServer, sig: &str) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let victim = loop {
+        let stats = server.stats().await;
+        let busiest = stats
+            .replicas
+            .iter()
+            .filter(|r| r.pid != 0 && r.num_running + r.num_waiting > 0)
+            .max_by_key(|r| r.num_running + r.num_waiting)
+            .map(|r| (r.pid, r.num_running + r.num_waiting));
+        match busiest {
+            Some(victim) => break victim,
+            None if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(50)).await,
+            None => panic!("no replica held a sequence for a minute: {stats:?}"),
+        }
+    };
+    let (pid, sequences) = victim;
+    eprintln!("chaos: SIG{sig} to worker {pid} holding {sequences} sequences");
+    signal(pid, sig);
+}
+
+/// The chaos: bursts, two SIGKILLs and a SIGSTOP of a worker, at random moments.
+async fn chaos(soak: &Soak, server: &TestServer, rng: &mut StdRng) {
+    let pause = |rng: &mut StdRng| tokio::time::sleep(Duration::from_millis(rng.random_range(500..3000)));
+    pause(rng).await;
+    burst(soak, rng).await;
+    for (restarts, sig) in [(1, "KILL"), (2, "KILL"), (3, "STOP")] {
+        pause(rng).await;
+        disturb_busiest_worker(server, sig).await;
+        if restarts == 2 {
+            burst(soak, rng).await;
+        }
+        both_ready_after(server, restarts).await;
+    }
+    pause(rng).await;
+    burst(soak, rng).await;
+    soak.chaos_over.store(true, Ordering::SeqCst);
+}
+
+/// The resident memory of process `pid`, in KiB.
+fn resident_kb(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn under_kills_a_hang_and_overload_bursts_every_call_ends_well_and_nothing_leaks() {
+    let seed = std::env::var("CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(7, |d| d.as_secs())
+        });
+    eprintln!("chaos: seed {seed} (CHAOS_SEED={seed} replays the mix)");
+    let test_started = Instant::now();
+    let segments_before = shm_segments();
+    let mut server = TestServer::start(&[
+        ("RIVULET_WORKER__REPLICAS", "2"),
+        ("RIVULET_WORKER__STEP_TIMEOUT_SECS", "10"),
+        ("RIVULET_SCHEDULER__MAX_QUEUED_REQUESTS", &QUEUE_BOUND.to_string()),
+    ]);
+    let prompts = prompts();
+    let greedy = reference_tokens(&prompts, REFERENCE_TOKENS).await;
+    let mut client = server.client().await;
+    both_ready_after(&server, 0).await;
+
+    // Undisturbed runs (concurrent: a crowd does not change greedy or seeded tokens): the greedy
+    // text, where the stop strings come from, and the seeded tokens.
+    let undisturbed = join_all(prompts.iter().enumerate().map(|(index, prompt)| {
+        let mut client = client.clone();
+        async move {
+            let greedy = client.generate(greedy_request(prompt, REFERENCE_TOKENS)).await;
+            let seeded = client.generate(seeded_request(prompt, index)).await;
+            (
+                greedy.expect("greedy").into_inner(),
+                seeded.expect("seeded").into_inner(),
+            )
+        }
+    }))
+    .await;
+    let (mut seeded, mut stop) = (Vec::new(), Vec::new());
+    for ((prompt, (greedy_run, seeded_run)), want) in prompts.iter().zip(undisturbed).zip(&greedy) {
+        assert_eq!(&greedy_run.token_ids, want, "undisturbed greedy, prompt {prompt:?}");
+        stop.push(stop_string_within(&greedy_run.text));
+        seeded.push(seeded_run.token_ids);
+    }
+    eprintln!(
+        "chaos: references and undisturbed runs after {:?}",
+        test_started.elapsed()
+    );
+    assert_no_blocks_held(&server).await;
+    let resident_before = resident_kb(server.pid());
+
+    let started = Instant::now();
+    let soak = Arc::new(Soak {
+        client: client.clone(),
+        expected: Expected {
+            prompts: prompts.clone(),
+            greedy: greedy.clone(),
+            seeded,
+            stop,
+        },
+        ledger: Mutex::default(),
+        bursting: AtomicUsize::new(0),
+        chaos_over: AtomicBool::new(false),
+        answered: AtomicUsize::new(0),
+    });
+    let clients: Vec<_> = (0..CLIENTS as u64)
+        .map(|i| tokio::spawn(steady_client(soak.clone(), seed.wrapping_add(i + 1))))
+        .collect();
+    chaos(&soak, &server, &mut StdRng::seed_from_u64(seed)).await;
+    for client in clients {
+        client.await.expect("steady client");
+    }
+    let elapsed = started.elapsed();
+    {
+        let ledger = soak.ledger.lock().expect("ledger");
+        let mut refusals = ledger.refusals.clone();
+        refusals.sort();
+        eprintln!(
+            "chaos: {} calls answered in the steady load, and bursts, in {elapsed:?}: {} served, {} cancelled, \
+             {} refused (median {:?}, slowest {:?})",
+            soak.answered.load(Ordering::SeqCst),
+            ledger.served,
+            ledger.cancelled,
+            refusals.len(),
+            refusals.get(refusals.len() / 2),
+            refusals.last(),
+        );
+        assert!(
+            ledger.broken.is_empty(),
+            "{} broken promises: {:#?}",
+            ledger.broken.len(),
+            ledger.broken
+        );
+        assert!(
+            ledger.served >= MIN_CALLS / 2 && ledger.cancelled > 0,
+            "a mixed load ran"
+        );
+    }
+
+    // After the chaos: both replicas back, the reference's tokens, nothing held.
+    both_ready_after(&server, 3).await;
+    let after = join_all(prompts.iter().map(|prompt| {
+        let mut client = client.clone();
+        async move { read_stream(&mut client, greedy_request(prompt, REFERENCE_TOKENS)).await }
+    }))
+    .await;
+    for ((prompt, output), want) in prompts.iter().zip(after).zip(&greedy) {
+        assert_eq!(
+            &output.expect("served after the chaos").0,
+            want,
+            "after the chaos, {prompt:?}"
+        );
+    }
+    assert_no_blocks_held(&server).await;
+    let resident_after = resident_kb(server.pid());
+    eprintln!("chaos: scheduler resident memory {resident_before} KiB before, {resident_after} KiB after");
+    assert!(
+        resident_after <= resident_before + RSS_MARGIN_KB,
+        "the scheduler's memory grew from {resident_before} KiB to {resident_after} KiB"
+    );
+
+    eprintln!("chaos: checked after {:?}", test_started.elapsed());
+    let status = server.terminate();
+    assert!(status.success(), "clean exit after SIGTERM: {status:?}");
+    let left: Vec<_> = shm_segments().difference(&segments_before).cloned().collect();
+    assert!(left.is_empty(), "shared memory left behind: {left:?}");
+    eprintln!("chaos: stopped after {:?}", test_started.elapsed());
+}
