@@ -66,12 +66,17 @@ context="$WORK/context"
 rm -rf "$context"
 mkdir -p "$context/bin" "$context/lib"
 cp "$worker" target/release/rivulet-scheduler "$context/bin/"
-LD_LIBRARY_PATH="$libtorch/lib" ldd "$worker" | awk '$2 == "=>" && $3 ~ /^\// {print $3}' |
+# Line tables serve the host's profilers; the image keeps symbols (backtraces) without them.
+strip --strip-debug "$context"/bin/*
+# Through torch's real folder (not the mirror), where libtorch_cpu's $ORIGIN rpath finds the
+# NVIDIA runtime pieces it needs.
+LD_LIBRARY_PATH="$TORCH_LIB" ldd "$worker" | awk '$2 == "=>" && $3 ~ /^\// {print $3}' |
     grep -v -E '^/(usr/)?lib(64)?/' | while read -r lib; do
         cp -L "$lib" "$context/lib/"
     done
-if LD_LIBRARY_PATH="$context/lib" ldd "$worker" | grep -q cuda.so; then
-    echo "build-image: the CPU worker still links a CUDA library" >&2
+if LD_LIBRARY_PATH="$context/lib" ldd "$worker" | grep -q -E "cuda\.so|not found"; then
+    echo "build-image: the CPU worker links a CUDA library, or misses one:" >&2
+    LD_LIBRARY_PATH="$context/lib" ldd "$worker" >&2
     exit 1
 fi
 cp deploy/rivulet.toml "$context/"

