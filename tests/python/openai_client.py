@@ -8,6 +8,7 @@ EXPECTED_JSON: {"prompt": str, "max_tokens": int, "grpc_token_ids": [int],
 """
 
 import json
+import math
 import sys
 import time
 import urllib.request
@@ -111,6 +112,17 @@ lp = with_logprobs.choices[0].logprobs
 check(len(lp.tokens) == max_tokens and len(lp.token_logprobs) == max_tokens, str(lp))
 check(all(len(top) >= 1 for top in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs), str(lp))
 check(lp.text_offset == sorted(lp.text_offset), "text offsets ascend")
+
+# --- the confidence stop (Rivulet's extra): ends right after the first token less likely than the
+# threshold, finish_reason "stop" with vLLM's stop_reason saying which stop
+probabilities = [math.exp(v) for v in lp.token_logprobs]
+threshold = 0.9 if min(probabilities) < 0.85 else min(probabilities) + 1e-3
+stop_at = next(i for i, p in enumerate(probabilities) if p < threshold)
+confident = dict(greedy, extra_body=dict(greedy["extra_body"], confidence_threshold=threshold))
+low = client.completions.create(model=model, prompt=prompt, **confident).choices[0]
+check(low.token_ids == expected["grpc_token_ids"][: stop_at + 1], f"confidence stop at {stop_at}: {low.token_ids}")
+check(low.finish_reason == "stop" and getattr(low, "stop_reason", None) == "low_confidence", str(low))
+print("completions: the confidence stop ends where the probabilities say")
 
 # --- chat, whole and streamed, equal to gRPC's chat tokens
 chat_greedy = dict(greedy)

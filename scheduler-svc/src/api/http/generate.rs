@@ -20,7 +20,7 @@ use super::openai::{
 use super::translate::{to_draft, Endpoint};
 use super::{unix_seconds, HttpState, RequestId};
 use crate::api::tracking::{openai_finish_reason, TrackedRequest};
-use crate::request::{SequenceEvent, TokenLogprob, Usage};
+use crate::request::{FinishReason, SequenceEvent, TokenLogprob, Usage};
 use crate::tokenizer::ModelTokenizer;
 
 pub async fn completions(state: State<HttpState>, id: Extension<RequestId>, body: Bytes) -> Response {
@@ -89,8 +89,7 @@ async fn generate(
 async fn whole_response(mut builder: ChoiceBuilder, mut events: TrackedRequest) -> Response {
     match events.whole_result().await {
         Ok(done) => {
-            let reason = Some(openai_finish_reason(done.reason));
-            let choice = builder.choice(done.text, done.token_ids, &done.logprobs, reason, false);
+            let choice = builder.choice(done.text, done.token_ids, &done.logprobs, Some(done.reason), false);
             let object = builder.endpoint.object(false);
             Json(builder.body(object, vec![choice], Some(usage_body(done.usage)))).into_response()
         }
@@ -135,7 +134,7 @@ fn stream_response(
                 logprobs,
                 ..
             } => {
-                let choice = builder.choice(text, token_ids, &logprobs, Some(openai_finish_reason(reason)), true);
+                let choice = builder.choice(text, token_ids, &logprobs, Some(reason), true);
                 out.push(json_event(&builder.body(object, vec![choice], None)));
                 if include_usage {
                     out.push(json_event(&builder.body(object, Vec::new(), Some(usage_body(usage)))));
@@ -161,6 +160,7 @@ fn empty_choice() -> Choice {
         delta: None,
         logprobs: None,
         finish_reason: None,
+        stop_reason: None,
         token_ids: None,
     }
 }
@@ -206,9 +206,13 @@ impl ChoiceBuilder {
         text: String,
         token_ids: Vec<u32>,
         logprobs: &[TokenLogprob],
-        finish_reason: Option<&'static str>,
+        finish: Option<FinishReason>,
         delta: bool,
     ) -> Choice {
+        let finish_reason = finish.map(openai_finish_reason);
+        // OpenAI's `finish_reason` has no word for the confidence stop: it is "stop", and vLLM's
+        // `stop_reason` field says which stop it was.
+        let stop_reason = finish.and_then(|reason| (reason == FinishReason::LowConfidence).then_some("low_confidence"));
         let logprobs = self.wants_logprobs.then(|| self.logprobs(logprobs));
         self.text_offset += text.chars().count();
         let token_ids = self.return_token_ids.then_some(token_ids);
@@ -217,6 +221,7 @@ impl ChoiceBuilder {
                 text: Some(text),
                 logprobs,
                 finish_reason,
+                stop_reason,
                 token_ids,
                 ..empty_choice()
             },
@@ -235,6 +240,7 @@ impl ChoiceBuilder {
                     delta,
                     logprobs,
                     finish_reason,
+                    stop_reason,
                     token_ids,
                     ..empty_choice()
                 }

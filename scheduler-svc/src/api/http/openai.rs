@@ -182,6 +182,9 @@ pub struct Choice {
     pub delta: Option<AssistantMessage>,
     pub logprobs: Option<serde_json::Value>,
     pub finish_reason: Option<&'static str>,
+    /// vLLM's field: set to "low_confidence" when Rivulet's confidence stop ended the output.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stop_reason: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
 }
