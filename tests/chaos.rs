@@ -38,7 +38,7 @@ const MIN_CALLS: usize = 240;
 /// A call still unanswered after this long hangs.
 const CALL_DEADLINE: Duration = Duration::from_secs(180);
 /// "At once": a refusal slower than this waited for something.
-const REFUSAL_DEADLINE: Duration = Duration::from_millis(250);
+const REFUSAL_DEADLINE: Duration = Duration::from_millis(500);
 /// How far the scheduler's resident memory may stay above its warmed-up level.
 const RSS_MARGIN_KB: u64 = 16 * 1024;
 
@@ -387,7 +387,16 @@ async fn burst(soak: &Soak, rng: &mut StdRng) {
     .await;
     let end = Instant::now();
     soak.bursting.fetch_sub(1, Ordering::SeqCst);
-    let refused = results.iter().filter(|r| matches!(r, Ok(Outcome::Refused(_)))).count();
+    let refusals: Vec<Duration> = results
+        .iter()
+        .filter_map(|r| match r {
+            Ok(Outcome::Refused(latency)) => Some(*latency),
+            _ => None,
+        })
+        .collect();
+    let refused = refusals.len();
+    // The burst's calls all start at `start`: the first refusal came back this much later.
+    let first_refused = start + refusals.iter().min().copied().unwrap_or_default();
     if refused == 0 {
         soak.broken(format!(
             "a burst of {BURST} over a queue bound of {QUEUE_BOUND} was not refused at all"
@@ -401,8 +410,8 @@ async fn burst(soak: &Soak, rng: &mut StdRng) {
             if tokens != soak.expected.greedy[observed] {
                 soak.broken(format!("the stream beside a burst: {tokens:?}"));
             }
-            if !arrivals.iter().any(|at| (start..=end).contains(at)) {
-                soak.broken("the stream beside a burst received nothing while it was refused".to_owned());
+            if !arrivals.iter().any(|at| (first_refused..=end).contains(at)) {
+                soak.broken("the stream beside a burst received nothing once the burst was refused".to_owned());
             }
         }
         Err(status) => soak.broken(format!("the stream beside a burst failed: {status:?}")),
@@ -410,11 +419,12 @@ async fn burst(soak: &Soak, rng: &mut StdRng) {
     eprintln!("chaos: burst of {BURST}: {refused} refused, {:?}", end - start);
 }
 
-/// Waits until both replicas are ready and `restarts` workers were replaced in all.
+/// Waits until both replicas are ready and at least `restarts` workers were replaced in all (the
+/// exact count is asserted at the end, with the stats in the message).
 async fn both_ready_after(server: &TestServer, restarts: u32) {
     common::wait_until(Duration::from_secs(300), "both replicas ready", || async {
         let stats = server.stats().await;
-        stats.num_replicas_ready == 2 && stats.replicas.iter().map(|r| r.restarts).sum::<u32>() == restarts
+        stats.num_replicas_ready == 2 && stats.replicas.iter().map(|r| r.restarts).sum::<u32>() >= restarts
     })
     .await;
 }
@@ -569,6 +579,9 @@ async fn under_kills_a_hang_and_overload_bursts_every_call_ends_well_and_nothing
 
     // After the chaos: both replicas back, the reference's tokens, nothing held.
     both_ready_after(&server, 3).await;
+    let stats = server.stats().await;
+    let restarts: u32 = stats.replicas.iter().map(|r| r.restarts).sum();
+    assert_eq!(restarts, 3, "two kills and one hang, nothing else: {stats:?}");
     let after = join_all(prompts.iter().map(|prompt| {
         let mut client = client.clone();
         async move { read_stream(&mut client, greedy_request(prompt, REFERENCE_TOKENS)).await }

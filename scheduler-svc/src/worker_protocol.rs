@@ -6,7 +6,7 @@
 
 use std::io::Read;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use rivulet_ipc::attach::PROTOCOL_VERSION;
@@ -22,6 +22,12 @@ pub enum WorkerProtocolError {
          {PROTOCOL_VERSION}: build both from the same source (set worker.binary)"
     )]
     Mismatch { binary: String, theirs: u32 },
+    #[error("the worker binary `{binary}` could not be run (set worker.binary)")]
+    Run {
+        binary: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error(
         "the worker binary `{binary}` did not tell its protocol version (`--protocol-version`): \
          {detail}; is it a rivulet-worker of this build? (set worker.binary)"
@@ -31,8 +37,9 @@ pub enum WorkerProtocolError {
 
 /// Runs `binary --protocol-version` and checks the answer against this scheduler's version.
 pub fn check_worker_protocol(binary: &Path) -> Result<(), WorkerProtocolError> {
+    let name = binary.display().to_string();
     let no_answer = |detail: String| WorkerProtocolError::NoAnswer {
-        binary: binary.display().to_string(),
+        binary: name.clone(),
         detail,
     };
     let mut child = Command::new(binary)
@@ -41,7 +48,13 @@ pub fn check_worker_protocol(binary: &Path) -> Result<(), WorkerProtocolError> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| no_answer(format!("could not run it: {e}")))?;
+        .map_err(|source| WorkerProtocolError::Run {
+            binary: name.clone(),
+            source,
+        })?;
+    // Both pipes drained while waiting, so that a chatty binary cannot fill one and block.
+    let stdout = drain(child.stdout.take());
+    let stderr = drain(child.stderr.take());
     let deadline = Instant::now() + ANSWER_TIMEOUT;
     let status = loop {
         match child.try_wait() {
@@ -52,28 +65,62 @@ pub fn check_worker_protocol(binary: &Path) -> Result<(), WorkerProtocolError> {
                 let _ = child.wait();
                 return Err(no_answer(format!("no answer within {ANSWER_TIMEOUT:?}")));
             }
-            Err(e) => return Err(no_answer(e.to_string())),
+            Err(error) => return Err(no_answer(error.to_string())),
         }
     };
-    // The answer is one short line, well under a pipe's buffer: reading after exit cannot block.
-    let mut stdout = String::new();
-    let mut stderr = String::new();
-    if let Some(mut out) = child.stdout.take() {
-        let _ = out.read_to_string(&mut stdout);
-    }
-    if let Some(mut err) = child.stderr.take() {
-        let _ = err.read_to_string(&mut stderr);
-    }
-    if !status.success() {
+    let output = Output {
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+    };
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
         let said = stderr.lines().find(|line| !line.trim().is_empty()).unwrap_or("").trim();
-        return Err(no_answer(format!("it exited with {status}: {said}")));
+        return Err(no_answer(format!("it exited with {}: {said}", output.status)));
     }
-    match stdout.trim().parse::<u32>() {
-        Ok(theirs) if theirs == PROTOCOL_VERSION => Ok(()),
-        Ok(theirs) => Err(WorkerProtocolError::Mismatch {
-            binary: binary.display().to_string(),
-            theirs,
-        }),
-        Err(_) => Err(no_answer(format!("it printed {:?}", stdout.trim()))),
+    match parse_answer(&String::from_utf8_lossy(&output.stdout)) {
+        Some(theirs) if theirs == PROTOCOL_VERSION => Ok(()),
+        Some(theirs) => Err(WorkerProtocolError::Mismatch { binary: name, theirs }),
+        None => Err(no_answer(format!(
+            "it printed {:?}",
+            String::from_utf8_lossy(&output.stdout).trim()
+        ))),
+    }
+}
+
+/// Reads a pipe to its end on a thread of its own.
+fn drain(pipe: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_end(&mut bytes);
+        }
+        bytes
+    })
+}
+
+/// The version in the worker's answer: one number on a line of its own.
+fn parse_answer(stdout: &str) -> Option<u32> {
+    stdout.trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_answer_is_one_number() {
+        assert_eq!(parse_answer("2\n"), Some(2));
+        assert_eq!(parse_answer("  7 "), Some(7));
+        assert_eq!(parse_answer("rivulet-worker 0.1.0\n"), None);
+        assert_eq!(parse_answer(""), None);
+        assert_eq!(parse_answer("-1"), None);
+    }
+
+    #[test]
+    fn a_missing_binary_is_named() {
+        let error = check_worker_protocol(Path::new("/nonexistent/rivulet-worker")).expect_err("missing");
+        assert!(matches!(error, WorkerProtocolError::Run { .. }), "{error:?}");
+        assert!(error.to_string().contains("/nonexistent/rivulet-worker"), "{error}");
     }
 }

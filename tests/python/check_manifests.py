@@ -25,8 +25,6 @@ K8S = ROOT / "deploy" / "k8s"
 # newest that kubernetes-validate 1.37.0 bundles; named, so a package upgrade changes nothing.
 K8S_VERSIONS = ("1.31.0", "1.37.0")
 # The image contract while deploy/Dockerfile does not exist yet.
-IMAGE_DEFAULTS = {"ports": {50051, 8000}, "uid": 10001, "gid": 10001,
-                  "config": "/etc/rivulet/rivulet.toml", "entrypoint": "rivulet-scheduler"}
 CUTOFF_SECS = 5  # server.rs: open connections are cut shutdown_timeout_secs + 5 s after SIGTERM
 METRIC = "rivulet:num_requests_waiting"
 
@@ -73,10 +71,9 @@ def stage_lines(lines, stage):
 def image_facts(dockerfile, stage="runtime"):
     """The image contract from the Dockerfile's `runtime` stage (the `rivulet:cpu` image; the
     with-model stage builds on it), so that a port or uid changed there fails here rather than in
-    the pods. Falls back, with a warning, while it does not exist."""
+    the pods."""
     if not dockerfile.exists():
-        print(f"WARNING: {dockerfile} does not exist; using the documented image facts")
-        return dict(IMAGE_DEFAULTS)
+        raise Failed(f"{dockerfile} does not exist: the pods cannot be checked against the image")
     lines = [l.strip() for l in re.sub(r"\\\n", " ", dockerfile.read_text()).splitlines()]
     lines = [l for l in lines if l and not l.startswith("#")]
     facts = {"ports": set()}
@@ -117,7 +114,10 @@ def known_config_keys():
 
 def render(target):
     """`kubectl kustomize` of one directory: exactly what `kubectl apply -k` would send."""
-    result = subprocess.run(["kubectl", "kustomize", str(target)], capture_output=True, text=True)
+    try:
+        result = subprocess.run(["kubectl", "kustomize", str(target)], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise Failed("kubectl is not installed: it renders the overlays (`kubectl kustomize`)") from None
     if result.returncode != 0:
         raise Failed(f"kubectl kustomize {target.relative_to(ROOT)}:\n{result.stderr.strip()}")
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]

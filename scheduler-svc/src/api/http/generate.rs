@@ -210,8 +210,8 @@ impl ChoiceBuilder {
         delta: bool,
     ) -> Choice {
         let finish_reason = finish.map(openai_finish_reason);
-        // OpenAI's `finish_reason` has no word for the confidence stop: it is "stop", and vLLM's
-        // `stop_reason` field says which stop it was.
+        // OpenAI's `finish_reason` has no word for the confidence stop: it is "stop", and the
+        // `stop_reason` field (vLLM's name; Rivulet fills it only for this) says which stop.
         let stop_reason = finish.and_then(|reason| (reason == FinishReason::LowConfidence).then_some("low_confidence"));
         let logprobs = self.wants_logprobs.then(|| self.logprobs(logprobs));
         self.text_offset += text.chars().count();

@@ -182,7 +182,8 @@ pub struct Choice {
     pub delta: Option<AssistantMessage>,
     pub logprobs: Option<serde_json::Value>,
     pub finish_reason: Option<&'static str>,
-    /// vLLM's field: set to "low_confidence" when Rivulet's confidence stop ended the output.
+    /// vLLM's field (there: the stop string or token id that matched). Rivulet sets it only to
+    /// "low_confidence", when its confidence stop ended the output; otherwise it is left out.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stop_reason: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
