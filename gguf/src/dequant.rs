@@ -96,6 +96,13 @@ impl GgmlType {
 pub fn dequantize(ggml_type: GgmlType, data: &[u8], elements: usize) -> Result<Vec<f32>, GgmlType> {
     debug_assert_eq!(ggml_type.byte_len(elements as u64), Some(data.len() as u64));
     let mut out = Vec::with_capacity(elements);
+    dequantize_append(ggml_type, data, &mut out)?;
+    Ok(out)
+}
+
+/// Dequantizes the whole blocks in `data` onto the end of `out` (which a caller reuses across
+/// calls, so a hot loop does not allocate). Returns the type back when it is not supported.
+pub fn dequantize_append(ggml_type: GgmlType, data: &[u8], out: &mut Vec<f32>) -> Result<(), GgmlType> {
     match ggml_type {
         GgmlType::F32 => out.extend(
             data.chunks_exact(4)
@@ -105,31 +112,31 @@ pub fn dequantize(ggml_type: GgmlType, data: &[u8], elements: usize) -> Result<V
         GgmlType::BF16 => out.extend(data.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())),
         GgmlType::Q4_0 => data
             .chunks_exact(18)
-            .for_each(|block| dequantize_block_q4_0(block, &mut out)),
+            .for_each(|block| dequantize_block_q4_0(block, out)),
         GgmlType::Q4_1 => data
             .chunks_exact(20)
-            .for_each(|block| dequantize_block_q4_1(block, &mut out)),
+            .for_each(|block| dequantize_block_q4_1(block, out)),
         GgmlType::Q5_0 => data
             .chunks_exact(22)
-            .for_each(|block| dequantize_block_q5_0(block, &mut out)),
+            .for_each(|block| dequantize_block_q5_0(block, out)),
         GgmlType::Q5_1 => data
             .chunks_exact(24)
-            .for_each(|block| dequantize_block_q5_1(block, &mut out)),
+            .for_each(|block| dequantize_block_q5_1(block, out)),
         GgmlType::Q8_0 => data
             .chunks_exact(34)
-            .for_each(|block| dequantize_block_q8_0(block, &mut out)),
+            .for_each(|block| dequantize_block_q8_0(block, out)),
         GgmlType::Q4K => data
             .chunks_exact(144)
-            .for_each(|block| dequantize_block_q4_k(block, &mut out)),
+            .for_each(|block| dequantize_block_q4_k(block, out)),
         GgmlType::Q5K => data
             .chunks_exact(176)
-            .for_each(|block| dequantize_block_q5_k(block, &mut out)),
+            .for_each(|block| dequantize_block_q5_k(block, out)),
         GgmlType::Q6K => data
             .chunks_exact(210)
-            .for_each(|block| dequantize_block_q6_k(block, &mut out)),
+            .for_each(|block| dequantize_block_q6_k(block, out)),
         other => return Err(other),
     }
-    Ok(out)
+    Ok(())
 }
 
 fn f16_at(block: &[u8], offset: usize) -> f32 {

@@ -90,5 +90,6 @@ pub fn options(assignment: &AttachAssignment, device: String, threads: Option<us
         max_model_len: assignment.max_model_len.map(|len| len as usize),
         threads: threads.or(assignment.threads.map(|t| t as usize)),
         half_precision_gemv: assignment.half_precision_gemv,
+        libtorch_cpu: false,
     }
 }

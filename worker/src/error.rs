@@ -6,6 +6,8 @@ pub enum WorkerError {
     Gguf(#[from] rivulet_gguf::GgufError),
     #[error("model `{0}` is not supported: {1}")]
     UnsupportedModel(String, String),
+    #[error("kernels: {0}")]
+    Kernel(#[from] rivulet_kernels::KernelError),
     #[error("libtorch: {0}")]
     Torch(#[from] tch::TchError),
     #[error("step buffer: {0}")]

@@ -21,6 +21,30 @@ impl LayerKv {
     }
 }
 
+/// Blocks of `block_size` tokens that `memory_bytes` holds; an error when that cannot hold one
+/// sequence of `max_model_len` tokens.
+pub fn blocks_in_budget(
+    config: &ModelConfig,
+    block_size: usize,
+    memory_bytes: usize,
+    max_model_len: usize,
+    kind: Kind,
+) -> Result<usize, WorkerError> {
+    if block_size == 0 {
+        return Err(WorkerError::KvCache("block_size must be positive".to_owned()));
+    }
+    let per_block = bytes_per_block(config, block_size, kind);
+    let num_blocks = memory_bytes / per_block;
+    let needed = max_model_len.div_ceil(block_size);
+    if num_blocks < needed {
+        return Err(WorkerError::KvCache(format!(
+            "kv_cache_memory of {memory_bytes} bytes gives {num_blocks} blocks of {block_size} tokens \
+             ({per_block} bytes each), fewer than the {needed} one {max_model_len}-token sequence needs"
+        )));
+    }
+    Ok(num_blocks)
+}
+
 pub struct KvCache {
     pub layers: Vec<LayerKv>,
     pub num_blocks: usize,
@@ -43,18 +67,7 @@ impl KvCache {
         device: Device,
         kind: Kind,
     ) -> Result<Self, WorkerError> {
-        if block_size == 0 {
-            return Err(WorkerError::KvCache("block_size must be positive".to_owned()));
-        }
-        let per_block = bytes_per_block(config, block_size, kind);
-        let num_blocks = memory_bytes / per_block;
-        let needed = max_model_len.div_ceil(block_size);
-        if num_blocks < needed {
-            return Err(WorkerError::KvCache(format!(
-                "kv_cache_memory of {memory_bytes} bytes gives {num_blocks} blocks of {block_size} tokens \
-                 ({per_block} bytes each), fewer than the {needed} one {max_model_len}-token sequence needs"
-            )));
-        }
+        let num_blocks = blocks_in_budget(config, block_size, memory_bytes, max_model_len, kind)?;
         let shape = [
             num_blocks as i64,
             block_size as i64,
@@ -78,5 +91,42 @@ impl KvCache {
 
     pub fn num_slots(&self) -> usize {
         self.num_blocks * self.block_size
+    }
+}
+
+/// The KV cache of the CPU kernels ([`crate::cpu_model`]): per layer, K and V as plain f32
+/// `[slots][n_kv_heads · head_dim]`, the same slot numbering as [`KvCache`]. Zeroed pages are
+/// only touched, so resident memory grows with the slots in use.
+pub struct HostKvCache {
+    pub layers: Vec<HostLayerKv>,
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
+pub struct HostLayerKv {
+    pub keys: Vec<f32>,
+    pub values: Vec<f32>,
+}
+
+impl HostKvCache {
+    pub fn allocate(
+        config: &ModelConfig,
+        block_size: usize,
+        memory_bytes: usize,
+        max_model_len: usize,
+    ) -> Result<Self, WorkerError> {
+        let num_blocks = blocks_in_budget(config, block_size, memory_bytes, max_model_len, Kind::Float)?;
+        let values = num_blocks * block_size * config.kv_dim();
+        let layers = (0..config.num_layers)
+            .map(|_| HostLayerKv {
+                keys: vec![0.0; values],
+                values: vec![0.0; values],
+            })
+            .collect();
+        Ok(Self {
+            layers,
+            num_blocks,
+            block_size,
+        })
     }
 }

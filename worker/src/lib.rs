@@ -4,7 +4,8 @@
 //!
 //! - [`config`]: model hyper-parameters read from GGUF metadata.
 //! - [`weights`]: GGUF tensors dequantized into libtorch tensors.
-//! - [`model`]: the Llama-family forward pass over a flat batch of tokens.
+//! - [`cpu_model`]: the forward pass on the CPU with Rivulet's kernels (weights in GGUF blocks).
+//! - [`model`]: the forward pass with libtorch (CUDA; the CPU when asked).
 //! - [`kv_cache`]: the paged KV cache tensors and their sizing from a memory budget.
 //! - [`attention`]: per-step attention metadata and paged attention.
 //! - [`step_view`]: the only `unsafe`: step-buffer arrays wrapped as tensors without a copy.
@@ -14,6 +15,7 @@
 pub mod attach;
 pub mod attention;
 pub mod config;
+pub mod cpu_model;
 pub mod device;
 pub mod error;
 pub mod half_gemv;

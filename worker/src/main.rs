@@ -48,9 +48,13 @@ struct Args {
     /// Intra-op threads (default: libtorch's choice, all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// Keep f16 copies of the weights for one-token steps on the CPU.
+    /// Keep f16 copies of the weights for one-token steps on the CPU (a libtorch feature: it
+    /// selects the libtorch engine).
     #[arg(long)]
     half_precision_gemv: bool,
+    /// On the CPU, run libtorch's forward pass instead of Rivulet's kernels (for comparison).
+    #[arg(long)]
+    libtorch_cpu: bool,
     /// Log lines as JSON; the scheduler's own setting (and variable), so a pod's log is one format.
     #[arg(long, env = "RIVULET_SERVER__JSON_LOGS")]
     json_logs: bool,
@@ -88,7 +92,8 @@ fn main() -> anyhow::Result<()> {
             )?;
             _attach_connection = Some(connection);
             tracing::info!(socket = %socket.display(), model = %assignment.model.display(), "attached to the scheduler");
-            let options = rivulet_worker::attach::options(&assignment, args.device, args.threads);
+            let mut options = rivulet_worker::attach::options(&assignment, args.device, args.threads);
+            options.libtorch_cpu = args.libtorch_cpu;
             (options, assignment.ipc_server)
         }
         (None, Some(server_name)) => {
@@ -104,6 +109,7 @@ fn main() -> anyhow::Result<()> {
                 max_model_len: args.max_model_len,
                 threads: args.threads,
                 half_precision_gemv: args.half_precision_gemv,
+                libtorch_cpu: args.libtorch_cpu,
             };
             (options, server_name)
         }

@@ -13,10 +13,11 @@ use tch::{Device, Kind, Tensor};
 
 use crate::attention::{AttentionPlan, SeqSlice};
 use crate::config::ModelConfig;
+use crate::cpu_model::{CpuModel, CpuStep, CpuWeights};
 use crate::device::{compute_kind, describe, select_device};
 use crate::error::WorkerError;
 use crate::hf_folder;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{HostKvCache, KvCache};
 use crate::memory::KvBudget;
 use crate::model::{ForwardInputs, LlamaModel};
 use crate::sampler::sample;
@@ -33,47 +34,100 @@ pub struct WorkerOptions {
     /// Caps the model's own context length when set.
     pub max_model_len: Option<usize>,
     pub threads: Option<usize>,
-    /// f16 weight copies for one-token steps on the CPU (see [`crate::half_gemv`]).
+    /// f16 weight copies for one-token steps on the CPU (see [`crate::half_gemv`]); a libtorch
+    /// feature, so it selects the libtorch engine on the CPU.
     pub half_precision_gemv: bool,
+    /// On the CPU, run libtorch's forward pass instead of Rivulet's kernels (for comparison).
+    pub libtorch_cpu: bool,
+}
+
+/// What runs the forward pass.
+enum Engine {
+    /// Rivulet's CPU kernels over the weights in their GGUF blocks ([`crate::cpu_model`]).
+    Kernels { model: CpuModel, kv_cache: HostKvCache },
+    /// libtorch: CUDA, or the CPU when asked.
+    Torch { model: LlamaModel, kv_cache: KvCache },
 }
 
 pub struct Worker {
-    model: LlamaModel,
-    kv_cache: KvCache,
+    engine: Engine,
     ready: ReadyInfo,
     step_buffer: Option<StepBuffer>,
 }
 
 impl Worker {
     pub fn load(options: &WorkerOptions, report: &mut dyn FnMut(LoadProgress)) -> Result<Self, WorkerError> {
-        if let Some(threads) = options.threads {
+        let device = select_device(&options.device)?;
+        let kernels = device == Device::Cpu && !options.half_precision_gemv && !options.libtorch_cpu;
+        let threads = options
+            .threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+        if kernels {
+            // The kernels have their own threads, which sleep when idle; libtorch only samples,
+            // on one thread, so that no OpenMP thread spins beside them.
+            tch::set_num_threads(1);
+        } else if let Some(threads) = options.threads {
             tch::set_num_threads(threads as i32);
         }
-        let device = select_device(&options.device)?;
         let kind = compute_kind(device);
         let path = &options.model_path;
         let (config, weights, eos_token_ids) = if path.is_dir() {
             let config = hf_folder::read_config(path)?;
-            let weights = hf_folder::load_weights(path, &config, device, kind)?;
+            let tensors = hf_folder::load_weights(path, &config, device, kind)?;
+            let weights = if kernels {
+                LoadedWeights::Kernels(CpuWeights::from_tensors(&tensors)?)
+            } else {
+                LoadedWeights::Torch(tensors)
+            };
             (config, weights, hf_folder::eos_token_ids(path))
         } else {
             let file = GgufFile::open(path)?;
             let config = ModelConfig::from_gguf(&file)?;
-            let weights = ModelWeights::load_reporting(&file, &config, device, kind, report)?;
+            let weights = if kernels {
+                let weights = CpuWeights::from_gguf(&file, &config)?;
+                let bytes: u64 = file.tensors.iter().map(|t| t.data_len).sum();
+                report(LoadProgress {
+                    tensors_total: file.tensors.len() as u32,
+                    tensors_loaded: file.tensors.len() as u32,
+                    bytes_total: bytes,
+                    bytes_loaded: bytes,
+                });
+                LoadedWeights::Kernels(weights)
+            } else {
+                LoadedWeights::Torch(ModelWeights::load_reporting(&file, &config, device, kind, report)?)
+            };
             let eos = eos_token_ids(&file);
             (config, weights, eos)
         };
         let max_model_len = options
             .max_model_len
             .map_or(config.context_length, |cap| cap.min(config.context_length));
-        let kv_cache = KvCache::allocate(
-            &config,
-            options.block_size,
-            options.kv_cache_memory.resolve(device)?,
-            max_model_len,
-            device,
-            kind,
-        )?;
+        let kv_memory = options.kv_cache_memory.resolve(device)?;
+        let block_size = options.block_size;
+        let engine = match weights {
+            LoadedWeights::Kernels(weights) => Engine::Kernels {
+                kv_cache: HostKvCache::allocate(&config, block_size, kv_memory, max_model_len)?,
+                model: CpuModel::new(config.clone(), weights, max_model_len, threads)?,
+            },
+            LoadedWeights::Torch(weights) => {
+                let kv_cache = KvCache::allocate(&config, block_size, kv_memory, max_model_len, device, kind)?;
+                let mut model = LlamaModel::new(config.clone(), weights, max_model_len, device, kind);
+                if device == Device::Cpu && kind == Kind::Float {
+                    // The f16 copies are made from the dense weights, so before those move to oneDNN.
+                    if options.half_precision_gemv {
+                        model.enable_half_precision_gemv()?;
+                    }
+                    if tch::utils::has_mkldnn() {
+                        model.use_onednn_projections()?;
+                    }
+                }
+                Engine::Torch { model, kv_cache }
+            }
+        };
+        let (num_blocks, block_size) = match &engine {
+            Engine::Kernels { kv_cache, .. } => (kv_cache.num_blocks, kv_cache.block_size),
+            Engine::Torch { kv_cache, .. } => (kv_cache.num_blocks, kv_cache.block_size),
+        };
         let ready = ReadyInfo {
             model: ModelInfo {
                 architecture: config.architecture.clone(),
@@ -86,25 +140,17 @@ impl Worker {
                 head_dim: config.head_dim as u32,
                 context_length: config.context_length as u32,
             },
-            num_blocks: kv_cache.num_blocks as u32,
-            block_size: kv_cache.block_size as u32,
+            num_blocks: num_blocks as u32,
+            block_size: block_size as u32,
             max_model_len: max_model_len as u32,
             eos_token_ids,
-            device: describe(device),
+            device: match &engine {
+                Engine::Kernels { .. } => format!("{} (Rivulet kernels)", describe(device)),
+                Engine::Torch { .. } => describe(device),
+            },
         };
-        let mut model = LlamaModel::new(config, weights, max_model_len, device, kind);
-        if device == Device::Cpu && kind == Kind::Float {
-            // The f16 copies are made from the dense weights, so before those move to oneDNN.
-            if options.half_precision_gemv {
-                model.enable_half_precision_gemv()?;
-            }
-            if tch::utils::has_mkldnn() {
-                model.use_onednn_projections()?;
-            }
-        }
         Ok(Self {
-            model,
-            kv_cache,
+            engine,
             ready,
             step_buffer: None,
         })
@@ -115,30 +161,48 @@ impl Worker {
     }
 
     /// One small prefill and one decode through block 0, so that the first real step does not pay
-    /// for libtorch's lazy initialisation. Block 0's contents are overwritten by its next owner.
-    pub fn warm_up(&self) -> Result<(), WorkerError> {
+    /// for lazy initialisation (libtorch's, the kernels' thread pool). Block 0's contents are
+    /// overwritten by its next owner.
+    pub fn warm_up(&mut self) -> Result<(), WorkerError> {
         let _guard = tch::no_grad_guard();
-        let device = self.model.device;
-        let block_size = self.kv_cache.block_size as i64;
-        let table = Tensor::zeros([1, 1], (Kind::Int64, device));
         for (first, count) in [(0i64, 2i64), (2, 1)] {
-            let ids = Tensor::zeros([count], (Kind::Int64, device));
-            let positions = Tensor::arange_start(first, first + count, (Kind::Int64, device));
             let seqs = [SeqSlice {
                 first_token: 0,
                 num_tokens: count,
                 context_len: first + count,
             }];
-            let plan = AttentionPlan::new(&seqs, &table, block_size, self.model.config.head_dim, device);
-            let rows = Tensor::from_slice(&[count - 1]).to_device(device);
-            let inputs = ForwardInputs {
-                input_ids: &ids,
-                positions: &positions,
-                slot_mapping: &positions,
-                attention: &plan,
-                logit_rows: &rows,
+            let positions: Vec<i64> = (first..first + count).collect();
+            let logits = match &mut self.engine {
+                Engine::Kernels { model, kv_cache } => {
+                    let step = CpuStep {
+                        input_ids: &vec![0; count as usize],
+                        positions: &positions,
+                        slot_mapping: &positions,
+                        seqs: &seqs,
+                        block_tables: &[0],
+                        max_blocks: 1,
+                        logit_rows: &[count - 1],
+                    };
+                    model.forward(&step, kv_cache)?
+                }
+                Engine::Torch { model, kv_cache } => {
+                    let device = model.device;
+                    let table = Tensor::zeros([1, 1], (Kind::Int64, device));
+                    let ids = Tensor::zeros([count], (Kind::Int64, device));
+                    let positions = Tensor::from_slice(&positions).to_device(device);
+                    let plan =
+                        AttentionPlan::new(&seqs, &table, kv_cache.block_size as i64, model.config.head_dim, device);
+                    let rows = Tensor::from_slice(&[count - 1]).to_device(device);
+                    let inputs = ForwardInputs {
+                        input_ids: &ids,
+                        positions: &positions,
+                        slot_mapping: &positions,
+                        attention: &plan,
+                        logit_rows: &rows,
+                    };
+                    model.forward(&inputs, kv_cache)
+                }
             };
-            let logits = self.model.forward(&inputs, &self.kv_cache);
             let _ = logits.argmax(-1, false);
         }
         Ok(())
@@ -157,28 +221,18 @@ impl Worker {
             .as_ref()
             .ok_or_else(|| WorkerError::InvalidStep("no step buffer attached".to_owned()))?;
         let header = buffer.header_for_step(step)?;
+        let (num_blocks, block_size) = match &self.engine {
+            Engine::Kernels { kv_cache, .. } => (kv_cache.num_blocks, kv_cache.block_size),
+            Engine::Torch { kv_cache, .. } => (kv_cache.num_blocks, kv_cache.block_size),
+        };
         let limits = StepLimits {
             vocab_size: self.ready.model.vocab_size as i64,
             max_model_len: self.ready.max_model_len as i64,
-            block_size: self.kv_cache.block_size as i64,
-            num_blocks: self.kv_cache.num_blocks as i64,
+            block_size: block_size as i64,
+            num_blocks: num_blocks as i64,
         };
         let host = step::validate(buffer, &header, limits)?;
         let mut view = StepView::wrap(buffer, &header, host.history_len)?;
-        let device = self.model.device;
-        let on_device = |t: &Tensor| -> Result<Tensor, WorkerError> { Ok(t.f_to_device(device)?) };
-        let input_ids = on_device(&view.input_ids)?;
-        let positions = on_device(&view.positions)?;
-        let slot_mapping = on_device(&view.slot_mapping)?;
-        let block_tables = on_device(&view.block_tables)?;
-        let block_size = self.kv_cache.block_size as i64;
-        let plan = AttentionPlan::new(
-            &host.seqs,
-            &block_tables,
-            block_size,
-            self.model.config.head_dim,
-            device,
-        );
         // A step of prompt chunks that all end mid-prompt fills the cache and samples nothing;
         // the head still needs one row.
         let logit_rows = if host.logit_rows.is_empty() {
@@ -186,15 +240,47 @@ impl Worker {
         } else {
             host.logit_rows.clone()
         };
-        let rows = Tensor::f_from_slice(&logit_rows)?.f_to_device(device)?;
-        let inputs = ForwardInputs {
-            input_ids: &input_ids,
-            positions: &positions,
-            slot_mapping: &slot_mapping,
-            attention: &plan,
-            logit_rows: &rows,
+        let (logits, device) = match &mut self.engine {
+            Engine::Kernels { model, kv_cache } => {
+                let layout = buffer.layout();
+                let (tokens, seqs) = (header.num_tokens as usize, header.num_seqs as usize);
+                let max_blocks = layout.capacity.max_blocks_per_seq as usize;
+                let step = CpuStep {
+                    input_ids: &buffer.i64_array(layout.input_ids)[..tokens],
+                    positions: &buffer.i64_array(layout.positions)[..tokens],
+                    slot_mapping: &buffer.i64_array(layout.slot_mapping)[..tokens],
+                    seqs: &host.seqs,
+                    block_tables: &buffer.i64_array(layout.block_tables)[..seqs * max_blocks],
+                    max_blocks,
+                    logit_rows: &logit_rows,
+                };
+                (model.forward(&step, kv_cache)?, Device::Cpu)
+            }
+            Engine::Torch { model, kv_cache } => {
+                let device = model.device;
+                let on_device = |t: &Tensor| -> Result<Tensor, WorkerError> { Ok(t.f_to_device(device)?) };
+                let input_ids = on_device(&view.input_ids)?;
+                let positions = on_device(&view.positions)?;
+                let slot_mapping = on_device(&view.slot_mapping)?;
+                let block_tables = on_device(&view.block_tables)?;
+                let plan = AttentionPlan::new(
+                    &host.seqs,
+                    &block_tables,
+                    kv_cache.block_size as i64,
+                    model.config.head_dim,
+                    device,
+                );
+                let rows = Tensor::f_from_slice(&logit_rows)?.f_to_device(device)?;
+                let inputs = ForwardInputs {
+                    input_ids: &input_ids,
+                    positions: &positions,
+                    slot_mapping: &slot_mapping,
+                    attention: &plan,
+                    logit_rows: &rows,
+                };
+                (model.forward(&inputs, kv_cache), device)
+            }
         };
-        let logits = self.model.forward(&inputs, &self.kv_cache);
         if host.sampled_seqs.is_empty() {
             return Ok(());
         }
@@ -202,6 +288,12 @@ impl Worker {
         let sampled = sample(&logits, &batch);
         step::write_outputs(&mut view, &host, &sampled)
     }
+}
+
+/// Weights as loaded, before the engine is built around them.
+enum LoadedWeights {
+    Kernels(CpuWeights),
+    Torch(ModelWeights),
 }
 
 /// End-of-sequence ids from the GGUF tokenizer metadata (EOS, end-of-turn, end-of-message).
@@ -238,7 +330,7 @@ pub fn serve(options: &WorkerOptions, server_name: &str) -> Result<(), WorkerErr
         // Progress is for show: a full channel or a gone scheduler shows up at `Ready`.
         let _ = events.send(WorkerEvent::LoadProgress(progress));
     };
-    let mut worker = match Worker::load(options, &mut report).and_then(|w| w.warm_up().map(|()| w)) {
+    let mut worker = match Worker::load(options, &mut report).and_then(|mut w| w.warm_up().map(|()| w)) {
         Ok(worker) => worker,
         Err(error) => {
             let _ = events.send(WorkerEvent::Failed {

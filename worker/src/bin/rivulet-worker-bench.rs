@@ -1,4 +1,4 @@
-//! Worker micro-benchmark: the step time for decode batches of 1, 8, 32 and 64 sequences at
+//! Worker micro-benchmark, per engine (Rivulet's CPU kernels and libtorch's forward pass): the step time for decode batches of 1, 8, 32 and 64 sequences at
 //! context 512 (or RIVULET_BENCH_BATCHES at RIVULET_BENCH_CONTEXT) and for one 512-token prefill, beside the machine's measured fp32 matmul
 //! throughput, so the step can be read against its roofline.
 //!
@@ -11,7 +11,8 @@ use anyhow::Context;
 use rivulet_gguf::GgufFile;
 use rivulet_worker::attention::{AttentionPlan, SeqSlice};
 use rivulet_worker::config::ModelConfig;
-use rivulet_worker::kv_cache::KvCache;
+use rivulet_worker::cpu_model::{CpuModel, CpuStep, CpuWeights};
+use rivulet_worker::kv_cache::{HostKvCache, KvCache};
 use rivulet_worker::model::{ForwardInputs, LlamaModel};
 use rivulet_worker::weights::ModelWeights;
 use tch::{Device, Kind, Tensor};
@@ -89,59 +90,155 @@ fn main() -> anyhow::Result<()> {
     let _guard = tch::no_grad_guard();
     let file = GgufFile::open(&model_path)?;
     let config = ModelConfig::from_gguf(&file)?;
-    let weights = ModelWeights::load(&file, &config, Device::Cpu, Kind::Float)?;
     let max_batch = batches.iter().copied().max().unwrap_or(1);
     let blocks_per_seq = (context + 1 + BLOCK_SIZE - 1) / BLOCK_SIZE;
     let bytes =
         // At least one 1024-token sequence (the cache's own minimum for max_model_len 1024).
         (max_batch * blocks_per_seq).max(1024 / BLOCK_SIZE + 1) as usize
             * rivulet_worker::kv_cache::bytes_per_block(&config, 16, Kind::Float);
-    let cache = KvCache::allocate(&config, BLOCK_SIZE as usize, bytes, 1024, Device::Cpu, Kind::Float)?;
-    let mut model = LlamaModel::new(config.clone(), weights, 2048, Device::Cpu, Kind::Float);
-    // RIVULET_BENCH_HALF_GEMV=1: as with `worker.half_precision_gemv` (f16 weights for 1-token steps).
-    let half_gemv = std::env::var_os("RIVULET_BENCH_HALF_GEMV").is_some();
-    if half_gemv {
-        model.enable_half_precision_gemv()?;
-    }
-    // As the worker does on the CPU; RIVULET_BENCH_DENSE=1 keeps MKL's sgemm for comparison.
-    let onednn = std::env::var_os("RIVULET_BENCH_DENSE").is_none() && tch::utils::has_mkldnn();
-    if onednn {
-        model.use_onednn_projections()?;
-    }
+    // RIVULET_BENCH_ENGINE: `kernels` (the worker's CPU default), `libtorch`, or `both` (default:
+    // both, so that their ratio comes from one run).
+    let engines = env_or("RIVULET_BENCH_ENGINE", "both");
     let gflops = matmul_gflops();
     let bandwidth = read_bandwidth_gbs();
-    // Every step reads every projection weight once: 2 FLOPs per weight per token.
-    let weight_bytes = flops_per_token(&config, 0) / 2.0 * 4.0;
     println!(
-        "threads: {}, fp32 matmul (1024³): {gflops:.1} GFLOP/s, memory read: {bandwidth:.1} GB/s, f32 weights: {:.0} MB, \
-         f16 GEMV for 1-token steps: {half_gemv}, oneDNN projections: {onednn}",
-        tch::get_num_threads(),
-        weight_bytes / 1e6
+        "threads: {threads}, fp32 matmul (1024³): {gflops:.1} GFLOP/s, memory read: {bandwidth:.1} GB/s",
+        threads = tch::get_num_threads(),
     );
     println!("roofline = min(compute: GFLOP/s / FLOPs per token, bandwidth: tokens per step × GB/s / weight bytes)");
+    let mut runs: Vec<(String, Box<dyn BenchEngine>, f64)> = Vec::new();
+    if engines == "kernels" || engines == "both" {
+        let threads = tch::get_num_threads() as usize;
+        let weights = CpuWeights::from_gguf(&file, &config)?;
+        let weight_bytes = weights.projection_bytes() as f64;
+        let model = CpuModel::new(config.clone(), weights, 2048, threads)?;
+        let cache = HostKvCache::allocate(&config, BLOCK_SIZE as usize, bytes, 1024)?;
+        runs.push((
+            "kernels".to_owned(),
+            Box::new(KernelsBench { model, cache }),
+            weight_bytes,
+        ));
+    }
+    if engines == "libtorch" || engines == "both" {
+        let weights = ModelWeights::load(&file, &config, Device::Cpu, Kind::Float)?;
+        let cache = KvCache::allocate(&config, BLOCK_SIZE as usize, bytes, 1024, Device::Cpu, Kind::Float)?;
+        let mut model = LlamaModel::new(config.clone(), weights, 2048, Device::Cpu, Kind::Float);
+        // RIVULET_BENCH_HALF_GEMV=1: as with `worker.half_precision_gemv` (f16 weights for 1-token steps).
+        let half_gemv = std::env::var_os("RIVULET_BENCH_HALF_GEMV").is_some();
+        if half_gemv {
+            model.enable_half_precision_gemv()?;
+        }
+        // As the libtorch engine does on the CPU; RIVULET_BENCH_DENSE=1 keeps MKL's sgemm.
+        if std::env::var_os("RIVULET_BENCH_DENSE").is_none() && tch::utils::has_mkldnn() {
+            model.use_onednn_projections()?;
+        }
+        // Every step reads every projection weight once: 2 FLOPs per weight per token.
+        let f32_bytes = flops_per_token(&config, 0) / 2.0 * 4.0;
+        let name = if half_gemv { "libtorch (f16 GEMV)" } else { "libtorch" };
+        runs.push((name.to_owned(), Box::new(TorchBench { model, cache }), f32_bytes));
+    }
     println!(
-        "{:<22} {:>10} {:>12} {:>14} {:>12}",
-        "step", "ms/step", "tokens/s", "roofline tok/s", "of roofline"
+        "{:<20} {:<22} {:>10} {:>12} {:>14} {:>12}",
+        "engine", "step", "ms/step", "tokens/s", "roofline tok/s", "of roofline"
     );
-
-    let report = |name: &str, seconds: f64, tokens: i64, context: i64| {
-        let compute_bound = gflops * 1e9 / flops_per_token(&config, context);
-        let step_weight_bytes = if half_gemv && tokens == 1 {
-            weight_bytes / 2.0
-        } else {
-            weight_bytes
+    for (name, engine, weight_bytes) in &mut runs {
+        let report = |step: &str, seconds: f64, tokens: i64, context: i64| {
+            let compute_bound = gflops * 1e9 / flops_per_token(&config, context);
+            let bandwidth_bound = tokens as f64 * bandwidth * 1e9 / *weight_bytes;
+            let roofline = compute_bound.min(bandwidth_bound);
+            let rate = tokens as f64 / seconds;
+            println!(
+                "{name:<20} {step:<22} {:>10.2} {rate:>12.1} {roofline:>14.1} {:>11.0}%",
+                seconds * 1e3,
+                100.0 * rate / roofline
+            );
         };
-        let bandwidth_bound = tokens as f64 * bandwidth * 1e9 / step_weight_bytes;
-        let roofline = compute_bound.min(bandwidth_bound);
-        let rate = tokens as f64 / seconds;
-        println!(
-            "{name:<22} {:>10.2} {rate:>12.1} {roofline:>14.1} {:>11.0}%",
-            seconds * 1e3,
-            100.0 * rate / roofline
-        );
-    };
+        println!("{name}: weights read per step {:.1} MB", *weight_bytes / 1e6);
+        for &batch in &batches {
+            let seconds = median_seconds(8, || engine.decode(batch, context, blocks_per_seq));
+            report(&format!("decode batch {batch} @{context}"), seconds, batch, context);
+        }
+        let seconds = median_seconds(4, || engine.prefill(context, blocks_per_seq));
+        // A prefill's attention averages half the context; its head runs for one row only.
+        report(&format!("prefill {context} tokens"), seconds, context, context / 2);
+    }
+    Ok(())
+}
 
-    for &batch in &batches {
+/// One engine's steps: `batch` sequences decoding at `context`, or one `context`-token prefill.
+trait BenchEngine {
+    fn decode(&mut self, batch: i64, context: i64, blocks_per_seq: i64);
+    fn prefill(&mut self, context: i64, blocks_per_seq: i64);
+}
+
+struct KernelsBench {
+    model: CpuModel,
+    cache: HostKvCache,
+}
+
+impl KernelsBench {
+    fn run(
+        &mut self,
+        ids: &[i64],
+        positions: &[i64],
+        slots: &[i64],
+        seqs: &[SeqSlice],
+        tables: &[i64],
+        max_blocks: usize,
+    ) {
+        let rows: Vec<i64> = seqs.iter().map(|s| s.first_token + s.num_tokens - 1).collect();
+        let step = CpuStep {
+            input_ids: ids,
+            positions,
+            slot_mapping: slots,
+            seqs,
+            block_tables: tables,
+            max_blocks,
+            logit_rows: &rows,
+        };
+        let logits = self.model.forward(&step, &mut self.cache).expect("a well-formed step");
+        let _ = logits.argmax(-1, false);
+    }
+}
+
+impl BenchEngine for KernelsBench {
+    fn decode(&mut self, batch: i64, context: i64, blocks_per_seq: i64) {
+        let seqs: Vec<SeqSlice> = (0..batch)
+            .map(|i| SeqSlice {
+                first_token: i,
+                num_tokens: 1,
+                context_len: context,
+            })
+            .collect();
+        let tables: Vec<i64> = (0..batch * blocks_per_seq).collect();
+        let slots: Vec<i64> = (0..batch)
+            .map(|i| i * blocks_per_seq * BLOCK_SIZE + context - 1)
+            .collect();
+        let ids = vec![100; batch as usize];
+        let positions = vec![context - 1; batch as usize];
+        self.run(&ids, &positions, &slots, &seqs, &tables, blocks_per_seq as usize);
+    }
+
+    fn prefill(&mut self, context: i64, blocks_per_seq: i64) {
+        let seqs = [SeqSlice {
+            first_token: 0,
+            num_tokens: context,
+            context_len: context,
+        }];
+        let tables: Vec<i64> = (0..blocks_per_seq).collect();
+        let positions: Vec<i64> = (0..context).collect();
+        let ids = vec![100; context as usize];
+        self.run(&ids, &positions, &positions, &seqs, &tables, blocks_per_seq as usize);
+    }
+}
+
+struct TorchBench {
+    model: LlamaModel,
+    cache: KvCache,
+}
+
+impl BenchEngine for TorchBench {
+    fn decode(&mut self, batch: i64, context: i64, blocks_per_seq: i64) {
         let tables = Tensor::arange(batch * blocks_per_seq, (Kind::Int64, Device::Cpu)).view([batch, blocks_per_seq]);
         let seqs: Vec<SeqSlice> = (0..batch)
             .map(|i| SeqSlice {
@@ -154,31 +251,28 @@ fn main() -> anyhow::Result<()> {
         let positions = Tensor::full([batch], context - 1, (Kind::Int64, Device::Cpu));
         let slots = Tensor::arange(batch, (Kind::Int64, Device::Cpu)) * (blocks_per_seq * BLOCK_SIZE) + (context - 1);
         let rows = Tensor::arange(batch, (Kind::Int64, Device::Cpu));
-        let seconds = median_seconds(8, || {
-            let plan = AttentionPlan::new(&seqs, &tables, BLOCK_SIZE, config.head_dim, Device::Cpu);
-            let inputs = ForwardInputs {
-                input_ids: &ids,
-                positions: &positions,
-                slot_mapping: &slots,
-                attention: &plan,
-                logit_rows: &rows,
-            };
-            let _ = model.forward(&inputs, &cache).argmax(-1, false);
-        });
-        report(&format!("decode batch {batch} @{context}"), seconds, batch, context);
+        let plan = AttentionPlan::new(&seqs, &tables, BLOCK_SIZE, self.model.config.head_dim, Device::Cpu);
+        let inputs = ForwardInputs {
+            input_ids: &ids,
+            positions: &positions,
+            slot_mapping: &slots,
+            attention: &plan,
+            logit_rows: &rows,
+        };
+        let _ = self.model.forward(&inputs, &self.cache).argmax(-1, false);
     }
 
-    let tables = Tensor::arange(blocks_per_seq, (Kind::Int64, Device::Cpu)).unsqueeze(0);
-    let seqs = [SeqSlice {
-        first_token: 0,
-        num_tokens: context,
-        context_len: context,
-    }];
-    let ids = Tensor::full([context], 100, (Kind::Int64, Device::Cpu));
-    let positions = Tensor::arange(context, (Kind::Int64, Device::Cpu));
-    let rows = Tensor::from_slice(&[context - 1]);
-    let seconds = median_seconds(4, || {
-        let plan = AttentionPlan::new(&seqs, &tables, BLOCK_SIZE, config.head_dim, Device::Cpu);
+    fn prefill(&mut self, context: i64, blocks_per_seq: i64) {
+        let tables = Tensor::arange(blocks_per_seq, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+        let seqs = [SeqSlice {
+            first_token: 0,
+            num_tokens: context,
+            context_len: context,
+        }];
+        let ids = Tensor::full([context], 100, (Kind::Int64, Device::Cpu));
+        let positions = Tensor::arange(context, (Kind::Int64, Device::Cpu));
+        let rows = Tensor::from_slice(&[context - 1]);
+        let plan = AttentionPlan::new(&seqs, &tables, BLOCK_SIZE, self.model.config.head_dim, Device::Cpu);
         let inputs = ForwardInputs {
             input_ids: &ids,
             positions: &positions,
@@ -186,9 +280,6 @@ fn main() -> anyhow::Result<()> {
             attention: &plan,
             logit_rows: &rows,
         };
-        let _ = model.forward(&inputs, &cache).argmax(-1, false);
-    });
-    // A prefill's attention averages half the context; its head runs for one row only.
-    report(&format!("prefill {context} tokens"), seconds, context, context / 2);
-    Ok(())
+        let _ = self.model.forward(&inputs, &self.cache).argmax(-1, false);
+    }
 }

@@ -1,0 +1,115 @@
+//! Projection kernels alone: one decode step's worth of SmolLM2-shaped projections per format and
+//! batch, as ms per step, GB/s of weights streamed and GFLOP/s, on each code path.
+//!
+//! `cargo bench -p rivulet-kernels --bench projections [-- threads [batches [formats]]]`, e.g.
+//! `-- 2 1,32 Q4_1` (defaults: all cores, 1,8,32,64, Q4_1,Q4_0,Q8_0,F16).
+
+use std::time::Instant;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rivulet_gguf::GgmlType;
+use rivulet_kernels::{Isa, WeightMatrix};
+
+fn random_matrix(rng: &mut StdRng, format: GgmlType, rows: usize, cols: usize) -> WeightMatrix {
+    let (block_elems, block_bytes) = format.block_layout();
+    let blocks = rows * cols / block_elems as usize;
+    let mut data: Vec<u8> = (0..blocks * block_bytes as usize).map(|_| rng.random()).collect();
+    // Sane f16 scales at the front of each block (Q4_0/Q4_1/Q8_0 keep them there).
+    for block in data.chunks_exact_mut(block_bytes as usize) {
+        block[..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+        if format == GgmlType::Q4_1 {
+            block[2..4].copy_from_slice(&half::f16::from_f32(-0.05).to_le_bytes());
+        }
+    }
+    WeightMatrix::new(format, rows, cols, data).expect("well-formed")
+}
+
+fn main() {
+    let threads: usize = std::env::args()
+        .nth(1)
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let batches: Vec<usize> = std::env::args()
+        .nth(2)
+        .map_or("1,8,32,64".to_owned(), |b| b)
+        .split(',')
+        .filter_map(|b| b.parse().ok())
+        .collect();
+    let formats = std::env::args()
+        .nth(3)
+        .unwrap_or_else(|| "Q4_1,Q4_0,Q8_0,F16".to_owned());
+    // The whole run inside the pool, as the worker runs a step: the caller is one of the pool's
+    // threads, so a projection does not hand off to another thread and sleep until it is done.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("a thread pool");
+    pool.install(|| run(threads, &batches, &formats));
+}
+
+fn run(threads: usize, batches: &[usize], formats: &str) {
+    let mut rng = StdRng::seed_from_u64(1);
+    // One SmolLM2-135M layer: QKV, O, gate+up, down.
+    let shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
+    let layers = 30;
+    println!("threads {threads}; one step = {layers} layers of SmolLM2-135M projections (no head)");
+    println!(
+        "{:<6} {:<9} {:>6} {:>10} {:>10} {:>10}",
+        "format", "path", "batch", "ms/step", "GB/s", "GFLOP/s"
+    );
+    for format in [GgmlType::Q4_1, GgmlType::Q4_0, GgmlType::Q8_0, GgmlType::F16] {
+        if !formats.split(',').any(|f| f == format!("{format:?}")) {
+            continue;
+        }
+        let matrices: Vec<WeightMatrix> = shapes
+            .iter()
+            .map(|&(rows, cols)| random_matrix(&mut rng, format, rows, cols))
+            .collect();
+        let bytes: usize = matrices.iter().map(WeightMatrix::byte_len).sum::<usize>() * layers;
+        let weights: usize = shapes.iter().map(|(r, c)| r * c).sum::<usize>() * layers;
+        // PROJECTIONS_BEST_ONLY=1 skips the portable path (for a profiler).
+        let paths = if std::env::var_os("PROJECTIONS_BEST_ONLY").is_some() {
+            vec![Isa::best()]
+        } else {
+            vec![Isa::best(), Isa::Portable]
+        };
+        for isa in paths {
+            for &batch in batches {
+                let inputs: Vec<Vec<f32>> = shapes
+                    .iter()
+                    .map(|&(_, cols)| (0..batch * cols).map(|_| rng.random_range(-1.0..1.0)).collect())
+                    .collect();
+                let mut outputs: Vec<Vec<f32>> = shapes.iter().map(|&(rows, _)| vec![0.0; batch * rows]).collect();
+                let mut step = || {
+                    for _ in 0..layers {
+                        for ((m, x), out) in matrices.iter().zip(&inputs).zip(&mut outputs) {
+                            m.matmul_on(isa, x, batch, out).expect("shapes match");
+                        }
+                    }
+                };
+                step();
+                let mut times: Vec<f64> = (0..5)
+                    .map(|_| {
+                        let start = Instant::now();
+                        step();
+                        start.elapsed().as_secs_f64()
+                    })
+                    .collect();
+                times.sort_by(f64::total_cmp);
+                let seconds = times[2];
+                println!(
+                    "{:<6} {:<9} {batch:>6} {:>10.2} {:>10.1} {:>10.1}",
+                    format!("{format:?}"),
+                    format!("{isa:?}"),
+                    seconds * 1e3,
+                    bytes as f64 / seconds / 1e9,
+                    2.0 * (weights * batch) as f64 / seconds / 1e9
+                );
+                if isa == Isa::Portable && batch >= 8 {
+                    break; // the portable path is for correctness and odd CPUs; one point suffices
+                }
+            }
+        }
+    }
+}

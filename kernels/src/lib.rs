@@ -1,0 +1,50 @@
+//! The CPU compute of the worker's forward pass, in Rust, with no libtorch.
+//!
+//! - [`matrix`]: weights kept in their GGUF blocks (Q4_0, Q4_1, Q8_0, the K-quants, f16, bf16,
+//!   f32) and `x · Wᵀ` for f32 activations, decoded tile by tile into L1.
+//! - [`ops`]: RMSNorm, interleaved rotary embedding, SiLU·mul — row by row, no temporaries.
+//! - [`attention`]: attention for every token of a step straight over the paged KV cache (block
+//!   tables are followed, never gathered), grouped-query heads sharing each key read.
+//! - `simd`: the crate's only `unsafe` — AVX2/FMA/F16C paths chosen at run time, with a portable
+//!   fallback for every one of them.
+//!
+//! Parallel work runs on the current rayon pool, whose threads sleep when there is none.
+
+pub mod attention;
+pub mod matrix;
+pub mod ops;
+mod simd;
+
+pub use matrix::{Isa, WeightMatrix};
+pub use simd::has_avx2;
+
+use rivulet_gguf::GgmlType;
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("{0:?} weights are not supported (supported: {supported})", supported = rivulet_gguf::dequant::SUPPORTED_TYPES)]
+    UnsupportedFormat(GgmlType),
+    #[error("a row of {cols} values is not whole {format:?} blocks")]
+    RowNotWholeBlocks { format: GgmlType, cols: usize },
+    #[error("a {rows}×{cols} {format:?} matrix takes {expected} bytes, got {got}")]
+    DataLength {
+        format: GgmlType,
+        rows: usize,
+        cols: usize,
+        expected: usize,
+        got: usize,
+    },
+    #[error("matrix size overflows")]
+    TooLarge,
+    #[error("{what}: {got} values, expected {expected}")]
+    Shape {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
+    #[error("row {row} is outside the matrix's {rows} rows")]
+    RowOutOfRange { row: usize, rows: usize },
+}
+
+/// `y = x · dot x` helpers shared by the kernels' modules.
+pub(crate) use simd::{axpy, dot};

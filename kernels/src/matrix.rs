@@ -1,0 +1,301 @@
+//! A weight matrix kept in its GGUF blocks, and `x · Wᵀ` for f32 activations.
+//!
+//! Each task owns a strip of 4 weight rows at a time. It decodes a tile of those rows (at most
+//! [`TILE`] values of each) into an L1-resident f32 buffer — exactly GGUF's dequantization — and
+//! multiplies it against every activation row of the step, two rows at a time in registers. So a
+//! weight is read from memory once per step and decoded once per step whatever the batch, and the
+//! inner loop is the same FMA kernel for every format: one activation row (decode of one
+//! sequence) is bound by reading the quantized bytes, 32 rows (a full decode batch) by the FMAs.
+
+use rayon::prelude::*;
+use rivulet_gguf::dequant::dequantize_append;
+use rivulet_gguf::GgmlType;
+
+use crate::simd::{self, SharedOutput};
+use crate::KernelError;
+
+/// The most values of each row decoded at a time (see [`WeightMatrix::k_tile`]): a multiple of
+/// every block size (32 and 256).
+pub const TILE: usize = 512;
+
+/// Weight rows a task decodes together (the register kernel's height).
+const STRIP: usize = 4;
+
+/// A `[rows, cols]` matrix in one of GGUF's formats, row-major, each row whole blocks.
+#[derive(Debug, Clone)]
+pub struct WeightMatrix {
+    format: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    data: Vec<u8>,
+}
+
+impl WeightMatrix {
+    /// Takes `data` as `rows` rows of `cols` values of `format`.
+    pub fn new(format: GgmlType, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self, KernelError> {
+        if rivulet_gguf::dequantize(format, &[], 0).is_err() {
+            return Err(KernelError::UnsupportedFormat(format));
+        }
+        let row_bytes = format
+            .byte_len(cols as u64)
+            .ok_or(KernelError::RowNotWholeBlocks { format, cols })? as usize;
+        let expected = row_bytes.checked_mul(rows).ok_or(KernelError::TooLarge)?;
+        if data.len() != expected {
+            return Err(KernelError::DataLength {
+                format,
+                rows,
+                cols,
+                expected,
+                got: data.len(),
+            });
+        }
+        Ok(Self {
+            format,
+            rows,
+            cols,
+            row_bytes,
+            data,
+        })
+    }
+
+    /// An f32 matrix from row-major values.
+    pub fn from_f32(rows: usize, cols: usize, values: &[f32]) -> Result<Self, KernelError> {
+        let data = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Self::new(GgmlType::F32, rows, cols, data)
+    }
+
+    /// Stacks matrices of one format and width row-wise (e.g. Q, K and V into one projection);
+    /// `None` when their formats or widths differ.
+    pub fn stack(parts: &[WeightMatrix]) -> Option<Self> {
+        let first = parts.first()?;
+        if parts.iter().any(|p| p.format != first.format || p.cols != first.cols) {
+            return None;
+        }
+        let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
+        let rows = parts.iter().map(|p| p.rows).sum();
+        Self::new(first.format, rows, first.cols, data).ok()
+    }
+
+    pub fn format(&self) -> GgmlType {
+        self.format
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes the weights occupy (what one step streams).
+    pub fn byte_len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Row `row` as f32 (an embedding lookup), appended to `out`.
+    pub fn dequantize_row(&self, row: usize, out: &mut Vec<f32>) -> Result<(), KernelError> {
+        if row >= self.rows {
+            return Err(KernelError::RowOutOfRange { row, rows: self.rows });
+        }
+        let bytes = &self.data[row * self.row_bytes..(row + 1) * self.row_bytes];
+        dequantize_append(self.format, bytes, out).map_err(KernelError::UnsupportedFormat)
+    }
+
+    /// The whole matrix as f32 (for tests and references).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.rows * self.cols);
+        // `new` checked the format is supported.
+        let _ = dequantize_append(self.format, &self.data, &mut out);
+        out
+    }
+
+    /// `out = x · selfᵀ`: `x` is `[batch, cols]`, `out` is `[batch, rows]`, both row-major.
+    /// Runs on the current rayon pool, with the best code path this CPU has.
+    pub fn matmul(&self, x: &[f32], batch: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        self.matmul_on(Isa::best(), x, batch, out)
+    }
+
+    /// [`Self::matmul`] on a chosen code path (tests and benchmarks compare them).
+    pub fn matmul_on(&self, isa: Isa, x: &[f32], batch: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        self.matmul_into_columns(isa, x, batch, out, self.rows, 0)
+    }
+
+    /// `x · selfᵀ` into columns `first_column..first_column + rows` of `out`, a `[batch,
+    /// out_width]` matrix (so projections stored apart fill one fused output).
+    pub fn matmul_into_columns(
+        &self,
+        isa: Isa,
+        x: &[f32],
+        batch: usize,
+        out: &mut [f32],
+        out_width: usize,
+        first_column: usize,
+    ) -> Result<(), KernelError> {
+        check_len("activations", x.len(), batch * self.cols)?;
+        check_len("output", out.len(), batch * out_width)?;
+        if first_column + self.rows > out_width {
+            return Err(KernelError::Shape {
+                what: "output columns",
+                expected: out_width,
+                got: first_column + self.rows,
+            });
+        }
+        if batch == 0 || self.rows == 0 {
+            return Ok(());
+        }
+        let strips = self.rows.div_ceil(STRIP);
+        // Several tasks per thread so that a slow core does not hold the step; each task is at
+        // least a few strips so that scheduling stays small next to the work.
+        let per_task = strips.div_ceil(rayon::current_num_threads() * 4).max(2);
+        let output = SharedOutput::new(out, batch, out_width);
+        // Small batches decode each block in registers and use it at once; larger ones decode a
+        // tile once into L1 and reuse it for every activation row.
+        let gemv =
+            isa == Isa::Avx2 && batch <= simd::GEMV_MAX_BATCH && simd::gemv_decodes(self.format) && self.cols % 32 == 0;
+        (0..strips.div_ceil(per_task)).into_par_iter().for_each(|task| {
+            let first = task * per_task * STRIP;
+            let last = ((task + 1) * per_task * STRIP).min(self.rows);
+            if gemv {
+                let mut sums = [0f32; simd::GEMV_MAX_BATCH];
+                for row in first..last {
+                    let bytes = &self.data[row * self.row_bytes..(row + 1) * self.row_bytes];
+                    simd::gemv_row_avx2(self.format, bytes, self.cols, x, self.cols, batch, &mut sums);
+                    output.store_columns(first_column + row, 1, &sums[..batch]);
+                }
+                return;
+            }
+            SCRATCH.with_borrow_mut(|scratch| {
+                self.rows_product(isa, first, last - first, x, batch, scratch);
+                output.store_columns(
+                    first_column + first,
+                    last - first,
+                    &scratch.sums[..(last - first) * batch],
+                );
+            });
+        });
+        Ok(())
+    }
+
+    /// Fills `scratch.sums` (`[rows][batch]`) with rows `first..first + rows` times `x`.
+    ///
+    /// The loop runs over column tiles, then strips of 4 rows: a tile of the activations (every
+    /// batch row, `k_tile` columns) stays in L1 while every strip of the task is decoded and
+    /// multiplied against it.
+    fn rows_product(&self, isa: Isa, first: usize, rows: usize, x: &[f32], batch: usize, scratch: &mut Scratch) {
+        let Scratch { tile, sums, decoded } = scratch;
+        sums.clear();
+        sums.resize(rows.div_ceil(STRIP) * STRIP * batch, 0.0);
+        let k_tile = self.k_tile(batch);
+        tile.resize(STRIP * k_tile, 0.0);
+        let avx2 = isa == Isa::Avx2;
+        let mut start = 0;
+        while start < self.cols {
+            let len = k_tile.min(self.cols - start);
+            let byte_range = self.row_bytes * start / self.cols..self.row_bytes * (start + len) / self.cols;
+            for strip in (0..rows).step_by(STRIP) {
+                for r in 0..STRIP {
+                    let dst = &mut tile[r * k_tile..r * k_tile + len];
+                    if strip + r >= rows {
+                        dst.fill(0.0);
+                        continue;
+                    }
+                    let row = first + strip + r;
+                    let bytes = &self.data[row * self.row_bytes..(row + 1) * self.row_bytes][byte_range.clone()];
+                    if avx2 && simd::avx2_decodes(self.format) && len % 8 == 0 {
+                        simd::decode_avx2(self.format, bytes, dst);
+                    } else {
+                        decoded.clear();
+                        // `new` checked the format is supported.
+                        let _ = dequantize_append(self.format, bytes, decoded);
+                        dst.copy_from_slice(&decoded[..len]);
+                    }
+                }
+                let x_tile = &x[start..];
+                let strip_sums = &mut sums[strip * batch..(strip + STRIP) * batch];
+                if avx2 {
+                    simd::dot_4xn_avx2(tile, k_tile, x_tile, self.cols, batch, len, strip_sums);
+                } else {
+                    dot_4xn_portable(tile, k_tile, x_tile, self.cols, batch, len, strip_sums);
+                }
+            }
+            start += len;
+        }
+    }
+
+    /// Columns per tile: [`TILE`]. (Smaller tiles that keep a 32-row batch's activations in
+    /// L1 measured slower: the partial sums' horizontal adds cost more than the L2 reads.)
+    fn k_tile(&self, _batch: usize) -> usize {
+        TILE
+    }
+}
+
+/// A code path of the kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX2 + FMA + F16C, chosen at run time where the CPU has them.
+    Avx2,
+    /// Plain Rust that the compiler vectorizes for the baseline target.
+    Portable,
+}
+
+impl Isa {
+    /// The fastest path this CPU runs.
+    pub fn best() -> Self {
+        if simd::has_avx2() {
+            Self::Avx2
+        } else {
+            Self::Portable
+        }
+    }
+}
+
+/// Per-thread buffers, reused across calls so that the hot loop does not allocate.
+#[derive(Default)]
+struct Scratch {
+    /// `[STRIP][TILE]` decoded weights.
+    tile: Vec<f32>,
+    /// `[STRIP][batch]` partial products.
+    sums: Vec<f32>,
+    /// The portable decoder's output.
+    decoded: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// The portable form of [`simd::dot_4xn_avx2`]: 8-wide partial sums that the compiler vectorizes
+/// with whatever the baseline target has.
+fn dot_4xn_portable(w: &[f32], w_stride: usize, x: &[f32], x_stride: usize, batch: usize, len: usize, out: &mut [f32]) {
+    for b in 0..batch {
+        let xs = &x[b * x_stride..b * x_stride + len];
+        for r in 0..STRIP {
+            let ws = &w[r * w_stride..r * w_stride + len];
+            let mut lanes = [0f32; 8];
+            let mut chunks_w = ws.chunks_exact(8);
+            let mut chunks_x = xs.chunks_exact(8);
+            for (cw, cx) in (&mut chunks_w).zip(&mut chunks_x) {
+                for i in 0..8 {
+                    lanes[i] += cw[i] * cx[i];
+                }
+            }
+            let tail: f32 = chunks_w
+                .remainder()
+                .iter()
+                .zip(chunks_x.remainder())
+                .map(|(a, b)| a * b)
+                .sum();
+            out[r * batch + b] += lanes.iter().sum::<f32>() + tail;
+        }
+    }
+}
+
+fn check_len(what: &'static str, got: usize, expected: usize) -> Result<(), KernelError> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(KernelError::Shape { what, expected, got })
+    }
+}

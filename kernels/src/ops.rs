@@ -1,0 +1,139 @@
+//! Row-wise operations of a Llama block, each one pass over its row with no temporaries (what
+//! libtorch did as ~6 separate kernels and intermediate tensors per norm or rotation).
+
+use rayon::prelude::*;
+
+/// RMSNorm of each `width`-value row of `x` into `out`: `x / sqrt(mean(x²) + eps) · weight`, in
+/// f32 as Hugging Face's `LlamaRMSNorm`.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let width = weight.len();
+    for (row, dst) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+        let mean_square = crate::dot(row, row) / width as f32;
+        let scale = 1.0 / (mean_square + eps).sqrt();
+        for ((o, v), w) in dst.iter_mut().zip(row).zip(weight) {
+            *o = v * scale * w;
+        }
+    }
+}
+
+/// Rotary position embedding in the interleaved layout (pairs `(2i, 2i + 1)`), llama.cpp's
+/// `rope_f32` with `GGML_ROPE_TYPE_NORM`, which GGUF's permuted Q/K rows expect.
+pub struct RopeTable {
+    half_dim: usize,
+    /// `[positions][half_dim]` cosines and sines, computed in f64 and rounded.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeTable {
+    pub fn new(head_dim: usize, theta: f64, max_positions: usize) -> Self {
+        let half_dim = head_dim / 2;
+        let mut cos = Vec::with_capacity(max_positions * half_dim);
+        let mut sin = Vec::with_capacity(max_positions * half_dim);
+        for position in 0..max_positions {
+            for i in 0..half_dim {
+                let inv_freq = 1.0 / theta.powf(2.0 * i as f64 / head_dim as f64);
+                let angle = position as f64 * inv_freq;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        Self { half_dim, cos, sin }
+    }
+
+    pub fn max_positions(&self) -> usize {
+        self.cos.len() / self.half_dim.max(1)
+    }
+
+    /// Rotates every head (`2 · half_dim` values each) of `row` for `position`
+    /// (which the caller checked is below [`Self::max_positions`]).
+    pub fn rotate(&self, row: &mut [f32], position: usize) {
+        let at = position * self.half_dim;
+        let (cos, sin) = (&self.cos[at..at + self.half_dim], &self.sin[at..at + self.half_dim]);
+        for head in row.chunks_exact_mut(2 * self.half_dim) {
+            for (pair, (c, s)) in head.chunks_exact_mut(2).zip(cos.iter().zip(sin)) {
+                let (even, odd) = (pair[0], pair[1]);
+                pair[0] = even * c - odd * s;
+                pair[1] = even * s + odd * c;
+            }
+        }
+    }
+}
+
+/// SwiGLU's `silu(gate) · up` for each row of `gate_up` (`[gate | up]`, `2 · width` values) into
+/// `out` (`width` values per row). Rows run in parallel: the exponentials dominate.
+pub fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
+    out.par_chunks_mut(width)
+        .zip(gate_up.par_chunks(2 * width))
+        .for_each(|(dst, row)| {
+            let (gate, up) = row.split_at(width);
+            for ((o, g), u) in dst.iter_mut().zip(gate).zip(up) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        });
+}
+
+/// `acc += x`, element-wise.
+pub fn add_assign(acc: &mut [f32], x: &[f32]) {
+    for (a, v) in acc.iter_mut().zip(x) {
+        *a += v;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_matches_its_definition() {
+        let x = [1.0f32, -2.0, 3.0, 0.5, 4.0, 4.0, -4.0, 0.0];
+        let weight = [0.5f32, 1.0, 2.0, -1.0];
+        let mut out = [0f32; 8];
+        rms_norm(&x, &weight, 1e-5, &mut out);
+        for (row, dst) in x.chunks(4).zip(out.chunks(4)) {
+            let ms = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / 4.0;
+            for i in 0..4 {
+                let expected = row[i] as f64 / (ms + 1e-5).sqrt() * weight[i] as f64;
+                assert!((dst[i] as f64 - expected).abs() < 1e-5, "{} vs {expected}", dst[i]);
+            }
+        }
+    }
+
+    #[test]
+    fn rope_rotates_adjacent_pairs_by_position() {
+        let table = RopeTable::new(4, 10_000.0, 8);
+        let mut row = [1.0f32, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0];
+        table.rotate(&mut row, 3);
+        // Pair 0 of each head turns by 3 rad, pair 1 by 3 / 100 rad.
+        let (a0, a1): (f64, f64) = (3.0, 3.0 / 100.0);
+        let expected = [
+            a0.cos(),
+            a0.sin(),
+            a1.cos(),
+            a1.sin(),
+            -a0.sin(),
+            a0.cos(),
+            -a1.sin(),
+            a1.cos(),
+        ];
+        for (got, want) in row.iter().zip(expected) {
+            assert!((*got as f64 - want).abs() < 1e-6, "{got} vs {want}");
+        }
+        // Position 0 is the identity.
+        let mut unmoved = [0.3f32, -0.7, 1.5, 2.0];
+        table.rotate(&mut unmoved, 0);
+        assert_eq!(unmoved, [0.3, -0.7, 1.5, 2.0]);
+    }
+
+    #[test]
+    fn silu_mul_matches_its_definition() {
+        let gate_up = [-3.0f32, 0.0, 2.5, 2.0, 1.0, -1.0];
+        let mut out = [0f32; 3];
+        silu_mul(&gate_up, 3, &mut out);
+        for i in 0..3 {
+            let g = gate_up[i] as f64;
+            let expected = g / (1.0 + (-g).exp()) * gate_up[3 + i] as f64;
+            assert!((out[i] as f64 - expected).abs() < 1e-6);
+        }
+    }
+}

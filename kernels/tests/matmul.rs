@@ -1,0 +1,140 @@
+//! Every kernel against dequantize-then-matmul (the GGUF reader's scalar dequantization, which
+//! mirrors llama.cpp's, and an f64 product) on random blocks of every supported format, odd
+//! shapes, several batch sizes, and both code paths.
+
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rivulet_gguf::GgmlType;
+use rivulet_kernels::{Isa, WeightMatrix};
+
+/// Byte offsets of the f16 scales in one block of `format` (random bytes there could be NaN).
+fn scale_offsets(format: GgmlType) -> &'static [usize] {
+    match format {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+        GgmlType::Q6K => &[208],
+        _ => &[],
+    }
+}
+
+fn random_matrix(rng: &mut StdRng, format: GgmlType, rows: usize, cols: usize) -> WeightMatrix {
+    let elements = rows * cols;
+    let data: Vec<u8> = match format {
+        GgmlType::F32 => (0..elements)
+            .flat_map(|_| rng.random_range(-1.0f32..1.0).to_le_bytes())
+            .collect(),
+        GgmlType::F16 => (0..elements)
+            .flat_map(|_| f16::from_f32(rng.random_range(-1.0..1.0)).to_le_bytes())
+            .collect(),
+        GgmlType::BF16 => (0..elements)
+            .flat_map(|_| bf16::from_f32(rng.random_range(-1.0..1.0)).to_le_bytes())
+            .collect(),
+        _ => {
+            let (block_elems, block_bytes) = format.block_layout();
+            let blocks = elements / block_elems as usize;
+            let mut data: Vec<u8> = (0..blocks * block_bytes as usize).map(|_| rng.random()).collect();
+            for block in data.chunks_exact_mut(block_bytes as usize) {
+                for &at in scale_offsets(format) {
+                    let scale = f16::from_f32(rng.random_range(-0.05..0.05));
+                    block[at..at + 2].copy_from_slice(&scale.to_le_bytes());
+                }
+            }
+            data
+        }
+    };
+    WeightMatrix::new(format, rows, cols, data).expect("a well-formed matrix")
+}
+
+fn check(rng: &mut StdRng, format: GgmlType, rows: usize, cols: usize, batch: usize) {
+    let matrix = random_matrix(rng, format, rows, cols);
+    let dense = matrix.dequantize();
+    let x: Vec<f32> = (0..batch * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+    for isa in [Isa::best(), Isa::Portable] {
+        let mut out = vec![f32::NAN; batch * rows];
+        matrix.matmul_on(isa, &x, batch, &mut out).expect("shapes match");
+        for b in 0..batch {
+            for r in 0..rows {
+                let (mut exact, mut magnitude) = (0f64, 0f64);
+                for k in 0..cols {
+                    let term = dense[r * cols + k] as f64 * x[b * cols + k] as f64;
+                    exact += term;
+                    magnitude += term.abs();
+                }
+                let got = out[b * rows + r] as f64;
+                // f32 summation in another order: a few ulps of the terms' magnitude.
+                let tolerance = 2e-6 * magnitude + 1e-6;
+                assert!(
+                    (got - exact).abs() <= tolerance,
+                    "{format:?} {isa:?} {rows}x{cols} batch {batch}: [{b}][{r}] = {got}, expected {exact}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_format_matches_dequantize_then_matmul() {
+    let mut rng = StdRng::seed_from_u64(15);
+    let block_formats = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+    ];
+    let k_formats = [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
+    let dense_formats = [GgmlType::F32, GgmlType::F16, GgmlType::BF16];
+    for batch in [1, 2, 3, 8] {
+        for &format in &block_formats {
+            // 544 and 1056 cross the 512-value tile boundary mid-row; 7 and 13 rows leave partial strips.
+            for (rows, cols) in [(1, 32), (7, 96), (13, 544), (9, 1056)] {
+                check(&mut rng, format, rows, cols, batch);
+            }
+        }
+        for &format in &k_formats {
+            for (rows, cols) in [(3, 256), (6, 768)] {
+                check(&mut rng, format, rows, cols, batch);
+            }
+        }
+        for &format in &dense_formats {
+            for (rows, cols) in [(5, 7), (4, 40), (11, 600)] {
+                check(&mut rng, format, rows, cols, batch);
+            }
+        }
+    }
+}
+
+#[test]
+fn larger_batches_and_many_tasks() {
+    let mut rng = StdRng::seed_from_u64(16);
+    // Enough rows that the work splits into many tasks, and batches of odd size.
+    check(&mut rng, GgmlType::Q4_1, 203, 576, 33);
+    check(&mut rng, GgmlType::Q8_0, 130, 64, 17);
+}
+
+#[test]
+fn bad_shapes_are_errors_not_panics() {
+    let mut rng = StdRng::seed_from_u64(17);
+    let matrix = random_matrix(&mut rng, GgmlType::Q4_1, 4, 64);
+    let mut out = vec![0f32; 4];
+    assert!(matrix.matmul(&[0.0; 63], 1, &mut out).is_err());
+    assert!(matrix.matmul(&[0.0; 64], 1, &mut out[..3]).is_err());
+    assert!(WeightMatrix::new(GgmlType::Q4_1, 4, 48, vec![0; 4 * 30]).is_err());
+    assert!(WeightMatrix::new(GgmlType::Q4_1, 4, 64, vec![0; 159]).is_err());
+    assert!(WeightMatrix::new(GgmlType::Q2K, 1, 256, vec![0; 84]).is_err());
+}
+
+#[test]
+fn stacking_keeps_rows_in_order() {
+    let mut rng = StdRng::seed_from_u64(18);
+    let a = random_matrix(&mut rng, GgmlType::Q8_0, 3, 64);
+    let b = random_matrix(&mut rng, GgmlType::Q8_0, 2, 64);
+    let stacked = WeightMatrix::stack(&[a.clone(), b.clone()]).expect("same format");
+    assert_eq!(stacked.rows(), 5);
+    let mut expected = a.dequantize();
+    expected.extend(b.dequantize());
+    assert_eq!(stacked.dequantize(), expected);
+    let other = random_matrix(&mut rng, GgmlType::Q4_0, 2, 64);
+    assert!(WeightMatrix::stack(&[a, other]).is_none());
+}
