@@ -9,7 +9,7 @@
 
 use rayon::prelude::*;
 
-use crate::{axpy, dot};
+use crate::{exp_in_place, group_dots, weighted_rows};
 
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
@@ -60,7 +60,7 @@ pub fn paged_attention(
             let (token, kv_head) = (unit / shape.kv_heads, unit % shape.kv_heads);
             let first = token * query_stride + kv_head * group_width;
             let query_group = &queries[first..first + group_width];
-            SCORES.with_borrow_mut(|scores| {
+            SCRATCH.with_borrow_mut(|(scores, offsets)| {
                 attend_group(
                     shape,
                     scale,
@@ -70,6 +70,7 @@ pub fn paged_attention(
                     keys,
                     values,
                     scores,
+                    offsets,
                     out_group,
                 )
             });
@@ -77,14 +78,19 @@ pub fn paged_attention(
 }
 
 thread_local! {
-    /// `[group][visible]` scores, reused across calls.
-    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// `[visible][group]` scores and the value rows' offsets, reused across calls.
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<usize>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Where the key (or value) row of KV head `kv_head` for the sequence's `index`-th token starts.
+fn kv_offset(shape: AttentionShape, table: &[i64], index: usize, kv_head: usize) -> usize {
+    let slot = table[index / shape.block_size] as usize * shape.block_size + index % shape.block_size;
+    slot * shape.kv_width() + kv_head * shape.head_dim
 }
 
 /// The key (or value) row of KV head `kv_head` for the sequence's `index`-th token.
 fn kv_row<'c>(shape: AttentionShape, cache: &'c [f32], table: &[i64], index: usize, kv_head: usize) -> &'c [f32] {
-    let slot = table[index / shape.block_size] as usize * shape.block_size + index % shape.block_size;
-    let at = slot * shape.kv_width() + kv_head * shape.head_dim;
+    let at = kv_offset(shape, table, index, kv_head);
     &cache[at..at + shape.head_dim]
 }
 
@@ -98,38 +104,54 @@ fn attend_group(
     keys: &[f32],
     values: &[f32],
     scores: &mut Vec<f32>,
+    offsets: &mut Vec<usize>,
     out_group: &mut [f32],
 ) {
-    let (group, dim, visible) = (shape.group(), shape.head_dim, token.visible);
+    let (group, visible) = (shape.group(), token.visible);
+    // `[visible][group]`: one key's scores for the whole group side by side.
     scores.clear();
-    scores.resize(group * visible, 0.0);
-    for index in 0..visible {
-        let key = kv_row(shape, keys, token.block_table, index, kv_head);
+    scores.resize(visible * group, 0.0);
+    for (index, row) in scores.chunks_exact_mut(group).enumerate() {
+        group_dots(
+            query_group,
+            kv_row(shape, keys, token.block_table, index, kv_head),
+            scale,
+            row,
+        );
+    }
+    // Softmax per head: subtract each head's maximum, exponentiate the whole block at once
+    // (vectorized), then normalize.
+    let mut max = [f32::NEG_INFINITY; 16];
+    let mut total = [0f32; 16];
+    let (max, total) = (&mut max[..group.min(16)], &mut total[..group.min(16)]);
+    if group > 16 {
+        // More query heads per KV head than any model uses; keep it correct anyway.
         for g in 0..group {
-            scores[g * visible + index] = dot(&query_group[g * dim..(g + 1) * dim], key) * scale;
+            let m = (0..visible)
+                .map(|t| scores[t * group + g])
+                .fold(f32::NEG_INFINITY, f32::max);
+            (0..visible).for_each(|t| scores[t * group + g] = (scores[t * group + g] - m).exp());
+            let sum: f32 = (0..visible).map(|t| scores[t * group + g]).sum();
+            (0..visible).for_each(|t| scores[t * group + g] /= sum);
+        }
+    } else {
+        for row in scores.chunks_exact(group) {
+            max.iter_mut().zip(row).for_each(|(m, s)| *m = m.max(*s));
+        }
+        for row in scores.chunks_exact_mut(group) {
+            row.iter_mut().zip(max.iter()).for_each(|(s, m)| *s -= m);
+        }
+        exp_in_place(scores);
+        for row in scores.chunks_exact(group) {
+            total.iter_mut().zip(row).for_each(|(t, s)| *t += s);
+        }
+        for row in scores.chunks_exact_mut(group) {
+            row.iter_mut().zip(total.iter()).for_each(|(s, t)| *s /= t);
         }
     }
-    for row in scores.chunks_exact_mut(visible.max(1)) {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut total = 0.0;
-        for s in row.iter_mut() {
-            *s = (*s - max).exp();
-            total += *s;
-        }
-        let norm = 1.0 / total;
-        row.iter_mut().for_each(|s| *s *= norm);
-    }
-    out_group.fill(0.0);
-    for index in 0..visible {
-        let value = kv_row(shape, values, token.block_table, index, kv_head);
-        for g in 0..group {
-            axpy(
-                scores[g * visible + index],
-                value,
-                &mut out_group[g * dim..(g + 1) * dim],
-            );
-        }
-    }
+    offsets.clear();
+    offsets.extend((0..visible).map(|index| kv_offset(shape, token.block_table, index, kv_head)));
+    weighted_rows(scores, group, values, offsets, shape.head_dim, out_group);
 }
 
 #[cfg(test)]
@@ -153,12 +175,19 @@ mod tests {
 
     #[test]
     fn matches_dense_attention_through_scattered_blocks() {
+        // 12: the portable path; 16: whole vectors (AVX2 where the CPU has it); groups of 3 and 4.
+        for (heads, head_dim) in [(6, 12), (8, 16), (6, 64)] {
+            check_against_dense(heads, head_dim);
+        }
+    }
+
+    fn check_against_dense(heads: usize, head_dim: usize) {
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let shape = AttentionShape {
-            heads: 6,
+            heads,
             kv_heads: 2,
-            head_dim: 12,
+            head_dim,
             block_size: 4,
         };
         let slots = 10 * shape.block_size;

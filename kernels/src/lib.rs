@@ -46,5 +46,5 @@ pub enum KernelError {
     RowOutOfRange { row: usize, rows: usize },
 }
 
-/// `y = x · dot x` helpers shared by the kernels' modules.
-pub(crate) use simd::{axpy, dot};
+/// Vector helpers shared by the kernels' modules.
+pub(crate) use simd::{dot, exp_in_place, group_dots, weighted_rows};

@@ -14,9 +14,12 @@ use rivulet_gguf::GgmlType;
 use crate::simd::{self, SharedOutput};
 use crate::KernelError;
 
-/// The most values of each row decoded at a time (see [`WeightMatrix::k_tile`]): a multiple of
-/// every block size (32 and 256).
-pub const TILE: usize = 512;
+/// Values of each row the portable path decodes at a time: whole blocks of every format.
+const TILE: usize = 512;
+
+/// Values of each row per panel tile of the packed path: whole blocks of every format, and a
+/// packed panel of 256 × 16 × 4 bytes = 16 KiB stays in L1.
+const PACKED_TILE: usize = 256;
 
 /// Weight rows a task decodes together (the register kernel's height).
 const STRIP: usize = 4;
@@ -145,89 +148,127 @@ impl WeightMatrix {
         if batch == 0 || self.rows == 0 {
             return Ok(());
         }
-        let strips = self.rows.div_ceil(STRIP);
-        // Several tasks per thread so that a slow core does not hold the step; each task is at
-        // least a few strips so that scheduling stays small next to the work.
-        let per_task = strips.div_ceil(rayon::current_num_threads() * 4).max(2);
-        let output = SharedOutput::new(out, batch, out_width);
-        // Small batches decode each block in registers and use it at once; larger ones decode a
-        // tile once into L1 and reuse it for every activation row.
-        let gemv =
-            isa == Isa::Avx2 && batch <= simd::GEMV_MAX_BATCH && simd::gemv_decodes(self.format) && self.cols % 32 == 0;
-        (0..strips.div_ceil(per_task)).into_par_iter().for_each(|task| {
-            let first = task * per_task * STRIP;
-            let last = ((task + 1) * per_task * STRIP).min(self.rows);
-            if gemv {
-                let mut sums = [0f32; simd::GEMV_MAX_BATCH];
-                for row in first..last {
-                    let bytes = &self.data[row * self.row_bytes..(row + 1) * self.row_bytes];
-                    simd::gemv_row_avx2(self.format, bytes, self.cols, x, self.cols, batch, &mut sums);
-                    output.store_columns(first_column + row, 1, &sums[..batch]);
-                }
-                return;
+        // Small batches decode each block in registers and use it at once (`Gemv`); larger ones
+        // decode a panel of rows once into L1, transposed, and run a register-blocked kernel
+        // over every activation row (`Packed`); `Portable` is the same idea in plain Rust.
+        let path = match isa {
+            Isa::Avx2
+                if batch <= simd::GEMV_MAX_BATCH && simd::gemv_decodes(self.format) && self.cols.is_multiple_of(32) =>
+            {
+                Path::Gemv
             }
-            SCRATCH.with_borrow_mut(|scratch| {
-                self.rows_product(isa, first, last - first, x, batch, scratch);
-                output.store_columns(
-                    first_column + first,
-                    last - first,
-                    &scratch.sums[..(last - first) * batch],
-                );
-            });
+            Isa::Avx2 => Path::Packed,
+            Isa::Portable => Path::Portable,
+        };
+        let unit = if path == Path::Packed { simd::PANEL } else { STRIP };
+        let units = self.rows.div_ceil(unit);
+        // Several tasks per thread so that a slow core does not hold the step up.
+        let per_task = units.div_ceil(rayon::current_num_threads() * 4).max(1);
+        let output = SharedOutput::new(out, batch, out_width);
+        (0..units.div_ceil(per_task)).into_par_iter().for_each(|task| {
+            let first = task * per_task * unit;
+            let last = ((task + 1) * per_task * unit).min(self.rows);
+            match path {
+                Path::Gemv => {
+                    let mut sums = [0f32; simd::GEMV_MAX_BATCH];
+                    for row in first..last {
+                        let bytes = &self.data[row * self.row_bytes..(row + 1) * self.row_bytes];
+                        simd::gemv_row_avx2(self.format, bytes, self.cols, x, self.cols, batch, &mut sums);
+                        output.store_columns(first_column + row, 1, &sums[..batch]);
+                    }
+                }
+                Path::Packed => SCRATCH.with_borrow_mut(|scratch| {
+                    for panel in (first..last).step_by(simd::PANEL) {
+                        let rows = simd::PANEL.min(last - panel);
+                        self.panel_product(panel, rows, x, batch, scratch);
+                        output.store_rows(first_column + panel, rows, &scratch.sums, simd::PANEL);
+                    }
+                }),
+                Path::Portable => SCRATCH.with_borrow_mut(|scratch| {
+                    self.rows_product(first, last - first, x, batch, scratch);
+                    output.store_columns(
+                        first_column + first,
+                        last - first,
+                        &scratch.sums[..(last - first) * batch],
+                    );
+                }),
+            }
         });
         Ok(())
     }
 
-    /// Fills `scratch.sums` (`[rows][batch]`) with rows `first..first + rows` times `x`.
-    ///
-    /// The loop runs over column tiles, then strips of 4 rows: a tile of the activations (every
-    /// batch row, `k_tile` columns) stays in L1 while every strip of the task is decoded and
-    /// multiplied against it.
-    fn rows_product(&self, isa: Isa, first: usize, rows: usize, x: &[f32], batch: usize, scratch: &mut Scratch) {
-        let Scratch { tile, sums, decoded } = scratch;
+    /// Fills `scratch.sums` (`[batch][PANEL]`) with rows `first..first + rows` (at most
+    /// `PANEL`) times `x`, one column tile of `PACKED_TILE` at a time.
+    fn panel_product(&self, first: usize, rows: usize, x: &[f32], batch: usize, scratch: &mut Scratch) {
+        let Scratch {
+            tile,
+            sums,
+            decoded,
+            packed,
+        } = scratch;
         sums.clear();
-        sums.resize(rows.div_ceil(STRIP) * STRIP * batch, 0.0);
-        let k_tile = self.k_tile(batch);
-        tile.resize(STRIP * k_tile, 0.0);
-        let avx2 = isa == Isa::Avx2;
+        sums.resize(batch * simd::PANEL, 0.0);
+        tile.resize(simd::PANEL * PACKED_TILE, 0.0);
+        packed.resize(PACKED_TILE * simd::PANEL, 0.0);
         let mut start = 0;
         while start < self.cols {
-            let len = k_tile.min(self.cols - start);
-            let byte_range = self.row_bytes * start / self.cols..self.row_bytes * (start + len) / self.cols;
-            for strip in (0..rows).step_by(STRIP) {
-                for r in 0..STRIP {
-                    let dst = &mut tile[r * k_tile..r * k_tile + len];
-                    if strip + r >= rows {
-                        dst.fill(0.0);
-                        continue;
-                    }
-                    let row = first + strip + r;
-                    let bytes = &self.data[row * self.row_bytes..(row + 1) * self.row_bytes][byte_range.clone()];
-                    if avx2 && simd::avx2_decodes(self.format) && len % 8 == 0 {
-                        simd::decode_avx2(self.format, bytes, dst);
-                    } else {
-                        decoded.clear();
-                        // `new` checked the format is supported.
-                        let _ = dequantize_append(self.format, bytes, decoded);
-                        dst.copy_from_slice(&decoded[..len]);
-                    }
-                }
-                let x_tile = &x[start..];
-                let strip_sums = &mut sums[strip * batch..(strip + STRIP) * batch];
-                if avx2 {
-                    simd::dot_4xn_avx2(tile, k_tile, x_tile, self.cols, batch, len, strip_sums);
+            let len = PACKED_TILE.min(self.cols - start);
+            for r in 0..simd::PANEL {
+                let dst = &mut tile[r * PACKED_TILE..r * PACKED_TILE + len];
+                if r < rows {
+                    self.decode_segment(Isa::Avx2, first + r, start, dst, decoded);
                 } else {
-                    dot_4xn_portable(tile, k_tile, x_tile, self.cols, batch, len, strip_sums);
+                    dst.fill(0.0);
                 }
             }
+            simd::pack_panel_avx2(tile, PACKED_TILE, len, packed);
+            simd::gemm_panel_avx2(packed, len, &x[start..], self.cols, batch, sums);
             start += len;
         }
     }
 
-    /// Columns per tile: [`TILE`]. (Smaller tiles that keep a 32-row batch's activations in
-    /// L1 measured slower: the partial sums' horizontal adds cost more than the L2 reads.)
-    fn k_tile(&self, _batch: usize) -> usize {
-        TILE
+    /// Decodes values `start..start + dst.len()` of row `row` into `dst` (whole blocks).
+    fn decode_segment(&self, isa: Isa, row: usize, start: usize, dst: &mut [f32], decoded: &mut Vec<f32>) {
+        let len = dst.len();
+        let byte_range = self.row_bytes * start / self.cols..self.row_bytes * (start + len) / self.cols;
+        let bytes = &self.data[row * self.row_bytes..(row + 1) * self.row_bytes][byte_range];
+        if isa == Isa::Avx2 && simd::avx2_decodes(self.format) && len.is_multiple_of(8) {
+            simd::decode_avx2(self.format, bytes, dst);
+        } else {
+            decoded.clear();
+            // `new` checked the format is supported.
+            let _ = dequantize_append(self.format, bytes, decoded);
+            dst.copy_from_slice(&decoded[..len]);
+        }
+    }
+
+    /// The portable path: fills `scratch.sums` (`[rows][batch]`) with rows `first..first + rows`
+    /// times `x`, decoding [`TILE`] values of 4 rows at a time and multiplying them against
+    /// every activation row.
+    fn rows_product(&self, first: usize, rows: usize, x: &[f32], batch: usize, scratch: &mut Scratch) {
+        let Scratch {
+            tile, sums, decoded, ..
+        } = scratch;
+        sums.clear();
+        sums.resize(rows.div_ceil(STRIP) * STRIP * batch, 0.0);
+        tile.resize(STRIP * TILE, 0.0);
+        let mut start = 0;
+        while start < self.cols {
+            let len = TILE.min(self.cols - start);
+            for strip in (0..rows).step_by(STRIP) {
+                for r in 0..STRIP {
+                    let dst = &mut tile[r * TILE..r * TILE + len];
+                    if strip + r < rows {
+                        self.decode_segment(Isa::Portable, first + strip + r, start, dst, decoded);
+                    } else {
+                        dst.fill(0.0);
+                    }
+                }
+                let strip_sums = &mut sums[strip * batch..(strip + STRIP) * batch];
+                dot_4xn_portable(tile, TILE, &x[start..], self.cols, batch, len, strip_sums);
+            }
+            start += len;
+        }
     }
 }
 
@@ -254,19 +295,28 @@ impl Isa {
 /// Per-thread buffers, reused across calls so that the hot loop does not allocate.
 #[derive(Default)]
 struct Scratch {
-    /// `[STRIP][TILE]` decoded weights.
+    /// Decoded weights: `[STRIP][TILE]` (portable) or `[PANEL][PACKED_TILE]` (packed).
     tile: Vec<f32>,
     /// `[STRIP][batch]` partial products.
     sums: Vec<f32>,
     /// The portable decoder's output.
     decoded: Vec<f32>,
+    /// `[PACKED_TILE][PANEL]` transposed weights.
+    packed: Vec<f32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Gemv,
+    Packed,
+    Portable,
 }
 
 thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
-/// The portable form of [`simd::dot_4xn_avx2`]: 8-wide partial sums that the compiler vectorizes
+/// `out[r][b] += Σ_k w[r][k] · x[b][k]` for 4 weight rows and every activation row, as 8-wide partial sums that the compiler vectorizes
 /// with whatever the baseline target has.
 fn dot_4xn_portable(w: &[f32], w_stride: usize, x: &[f32], x_stride: usize, batch: usize, len: usize, out: &mut [f32]) {
     for b in 0..batch {

@@ -67,8 +67,12 @@ pub fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
         .zip(gate_up.par_chunks(2 * width))
         .for_each(|(dst, row)| {
             let (gate, up) = row.split_at(width);
+            for (o, g) in dst.iter_mut().zip(gate) {
+                *o = -g;
+            }
+            crate::exp_in_place(dst);
             for ((o, g), u) in dst.iter_mut().zip(gate).zip(up) {
-                *o = g / (1.0 + (-g).exp()) * u;
+                *o = g / (1.0 + *o) * u;
             }
         });
 }
@@ -127,13 +131,34 @@ mod tests {
 
     #[test]
     fn silu_mul_matches_its_definition() {
-        let gate_up = [-3.0f32, 0.0, 2.5, 2.0, 1.0, -1.0];
-        let mut out = [0f32; 3];
-        silu_mul(&gate_up, 3, &mut out);
-        for i in 0..3 {
-            let g = gate_up[i] as f64;
-            let expected = g / (1.0 + (-g).exp()) * gate_up[3 + i] as f64;
-            assert!((out[i] as f64 - expected).abs() < 1e-6);
+        // 19 values: two whole vectors and a tail; gates across the range a model produces.
+        let width = 19;
+        let gate: Vec<f32> = (0..width).map(|i| -30.0 + 3.3 * i as f32).collect();
+        let up: Vec<f32> = (0..width).map(|i| 0.5 - 0.1 * i as f32).collect();
+        let gate_up: Vec<f32> = gate.iter().chain(&up).copied().collect();
+        let mut out = vec![0f32; width];
+        silu_mul(&gate_up, width, &mut out);
+        for i in 0..width {
+            let g = gate[i] as f64;
+            let expected = g / (1.0 + (-g).exp()) * up[i] as f64;
+            assert!(
+                (out[i] as f64 - expected).abs() <= 1e-6 * expected.abs().max(1.0),
+                "{i}: {} vs {expected}",
+                out[i]
+            );
+        }
+    }
+
+    #[test]
+    fn exp_is_within_a_few_ulp_of_libm() {
+        let mut values: Vec<f32> = (0..2000).map(|i| -87.0 + 0.0875 * i as f32).collect();
+        let expected: Vec<f64> = values.iter().map(|v| (*v as f64).exp()).collect();
+        crate::exp_in_place(&mut values);
+        for (got, want) in values.iter().zip(expected) {
+            assert!(
+                ((*got as f64) - want).abs() <= 4.0 * f32::EPSILON as f64 * want,
+                "{got} vs {want}"
+            );
         }
     }
 }

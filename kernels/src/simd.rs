@@ -55,7 +55,7 @@ pub fn decode_avx2(format: GgmlType, data: &[u8], out: &mut [f32]) {
     assert!(has_avx2());
     let (block_elems, block_bytes) = format.block_layout();
     let (block_elems, block_bytes) = (block_elems as usize, block_bytes as usize);
-    assert!(out.len() % block_elems == 0 && out.len() % 8 == 0);
+    assert!(out.len().is_multiple_of(block_elems) && out.len().is_multiple_of(8));
     assert!(data.len() >= out.len() / block_elems * block_bytes);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: AVX2/FMA/F16C present (asserted); `data` holds every block read and `out` every
@@ -156,7 +156,7 @@ pub fn gemv_row_avx2(
     out: &mut [f32],
 ) {
     assert!(has_avx2() && gemv_decodes(format));
-    assert!(cols % 32 == 0 && (1..=GEMV_MAX_BATCH).contains(&batch) && out.len() >= batch);
+    assert!(cols.is_multiple_of(32) && (1..=GEMV_MAX_BATCH).contains(&batch) && out.len() >= batch);
     let (block_elems, block_bytes) = format.block_layout();
     assert!(row.len() >= cols / block_elems as usize * block_bytes as usize);
     assert!(cols <= x_stride && x.len() >= (batch - 1) * x_stride + cols);
@@ -268,44 +268,6 @@ unsafe fn gemv_row<const B: usize>(
     }
 }
 
-/// `out[r][b] += Σ_k w[r][k] · x[b][k]` for the 4 weight rows in `w` (row `r` at `r * w_stride`)
-/// and every activation row of `x` (row `b` at `b * x_stride`), over `k < len`. `out` is
-/// `[4][batch]`.
-pub fn dot_4xn_avx2(w: &[f32], w_stride: usize, x: &[f32], x_stride: usize, batch: usize, len: usize, out: &mut [f32]) {
-    assert!(has_avx2());
-    assert!(len <= w_stride && w.len() >= 3 * w_stride + len);
-    assert!(batch == 0 || (len <= x_stride && x.len() >= (batch - 1) * x_stride + len));
-    assert!(out.len() >= 4 * batch);
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX2 present; every row read lies in `w` / `x` and every write in `out` (asserted).
-    unsafe {
-        let mut b = 0;
-        while b + 3 <= batch {
-            let sums = dot_4x3(w.as_ptr(), w_stride, x.as_ptr().add(b * x_stride), x_stride, len);
-            for r in 0..4 {
-                for c in 0..3 {
-                    out[r * batch + b + c] += sums[r][c];
-                }
-            }
-            b += 3;
-        }
-        while b + 2 <= batch {
-            let sums = dot_4x2(w.as_ptr(), w_stride, x.as_ptr().add(b * x_stride), x_stride, len);
-            for r in 0..4 {
-                out[r * batch + b] += sums[r][0];
-                out[r * batch + b + 1] += sums[r][1];
-            }
-            b += 2;
-        }
-        if b < batch {
-            let sums = dot_4x1(w.as_ptr(), w_stride, x.as_ptr().add(b * x_stride), len);
-            for r in 0..4 {
-                out[r * batch + b] += sums[r];
-            }
-        }
-    }
-}
-
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn hsum(v: __m256) -> f32 {
@@ -314,150 +276,127 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)))
 }
 
-/// Four weight rows against three activation rows: 12 accumulators (more FMAs in flight than
-/// the latency needs) and 7 loads per 12 FMAs; all 16 vector registers are in use.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_4x3(w: *const f32, w_stride: usize, x: *const f32, x_stride: usize, len: usize) -> [[f32; 3]; 4] {
-    // SAFETY (whole body): rows `0..4` of `w` and `0..3` of `x` hold `len` values (caller).
+/// Weight rows per panel of the packed kernel ([`gemm_panel_avx2`]): two vectors.
+pub const PANEL: usize = 16;
+
+/// Transposes a panel of decoded weights, `PANEL` rows of `len` values (row `r` at
+/// `r * stride`), into `packed[k * PANEL + r]`, so that the kernel reads one contiguous run of
+/// 16 weights per column `k`.
+pub fn pack_panel_avx2(rows: &[f32], stride: usize, len: usize, packed: &mut [f32]) {
+    assert!(has_avx2());
+    assert!(len <= stride && rows.len() >= (PANEL - 1) * stride + len);
+    assert!(packed.len() >= len * PANEL);
+    let vector_len = len / 8 * 8;
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX2 present; every 8×8 block read lies in `rows` (k + 8 <= len <= stride) and
+    // every write in `packed` (asserted above).
     unsafe {
-        let (w0, w1, w2, w3) = (w, w.add(w_stride), w.add(2 * w_stride), w.add(3 * w_stride));
-        let (xa, xb, xc) = (x, x.add(x_stride), x.add(2 * x_stride));
-        let zero = _mm256_setzero_ps();
-        let (mut a0, mut a1, mut a2, mut a3) = (zero, zero, zero, zero);
-        let (mut b0, mut b1, mut b2, mut b3) = (zero, zero, zero, zero);
-        let (mut c0, mut c1, mut c2, mut c3) = (zero, zero, zero, zero);
-        let mut k = 0;
-        while k + 8 <= len {
-            let va = _mm256_loadu_ps(xa.add(k));
-            let vb = _mm256_loadu_ps(xb.add(k));
-            let vc = _mm256_loadu_ps(xc.add(k));
-            let r0 = _mm256_loadu_ps(w0.add(k));
-            a0 = _mm256_fmadd_ps(r0, va, a0);
-            b0 = _mm256_fmadd_ps(r0, vb, b0);
-            c0 = _mm256_fmadd_ps(r0, vc, c0);
-            let r1 = _mm256_loadu_ps(w1.add(k));
-            a1 = _mm256_fmadd_ps(r1, va, a1);
-            b1 = _mm256_fmadd_ps(r1, vb, b1);
-            c1 = _mm256_fmadd_ps(r1, vc, c1);
-            let r2 = _mm256_loadu_ps(w2.add(k));
-            a2 = _mm256_fmadd_ps(r2, va, a2);
-            b2 = _mm256_fmadd_ps(r2, vb, b2);
-            c2 = _mm256_fmadd_ps(r2, vc, c2);
-            let r3 = _mm256_loadu_ps(w3.add(k));
-            a3 = _mm256_fmadd_ps(r3, va, a3);
-            b3 = _mm256_fmadd_ps(r3, vb, b3);
-            c3 = _mm256_fmadd_ps(r3, vc, c3);
-            k += 8;
-        }
-        let mut sums = [
-            [hsum(a0), hsum(b0), hsum(c0)],
-            [hsum(a1), hsum(b1), hsum(c1)],
-            [hsum(a2), hsum(b2), hsum(c2)],
-            [hsum(a3), hsum(b3), hsum(c3)],
-        ];
-        for (r, row) in [w0, w1, w2, w3].into_iter().enumerate() {
-            for t in k..len {
-                sums[r][0] += *row.add(t) * *xa.add(t);
-                sums[r][1] += *row.add(t) * *xb.add(t);
-                sums[r][2] += *row.add(t) * *xc.add(t);
+        for k in (0..vector_len).step_by(8) {
+            for half in 0..2 {
+                let src = rows.as_ptr().add(half * 8 * stride + k);
+                let dst = packed.as_mut_ptr().add(k * PANEL + half * 8);
+                transpose_8x8(src, stride, dst, PANEL);
             }
         }
-        sums
+    }
+    for k in vector_len..len {
+        for r in 0..PANEL {
+            packed[k * PANEL + r] = rows[r * stride + k];
+        }
     }
 }
 
-/// Four weight rows against two activation rows: 8 accumulators, each weight and activation
-/// vector loaded once per 8 FMAs. The accumulators are named, not an array, so that they stay
-/// in registers.
+/// `dst[i * dst_stride + j] = src[j * src_stride + i]` for an 8×8 block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_4x2(w: *const f32, w_stride: usize, x: *const f32, x_stride: usize, len: usize) -> [[f32; 2]; 4] {
-    // SAFETY (whole body): rows `0..4` of `w` and `0..2` of `x` hold `len` values (caller).
+unsafe fn transpose_8x8(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
+    // SAFETY (whole body): 8 rows of 8 values at `src` and at `dst` (caller).
     unsafe {
-        let (w0, w1, w2, w3) = (w, w.add(w_stride), w.add(2 * w_stride), w.add(3 * w_stride));
-        let (xa, xb) = (x, x.add(x_stride));
-        let zero = _mm256_setzero_ps();
-        let (mut a0, mut a1, mut a2, mut a3) = (zero, zero, zero, zero);
-        let (mut b0, mut b1, mut b2, mut b3) = (zero, zero, zero, zero);
-        let mut k = 0;
-        while k + 8 <= len {
-            let va = _mm256_loadu_ps(xa.add(k));
-            let vb = _mm256_loadu_ps(xb.add(k));
-            let r0 = _mm256_loadu_ps(w0.add(k));
-            a0 = _mm256_fmadd_ps(r0, va, a0);
-            b0 = _mm256_fmadd_ps(r0, vb, b0);
-            let r1 = _mm256_loadu_ps(w1.add(k));
-            a1 = _mm256_fmadd_ps(r1, va, a1);
-            b1 = _mm256_fmadd_ps(r1, vb, b1);
-            let r2 = _mm256_loadu_ps(w2.add(k));
-            a2 = _mm256_fmadd_ps(r2, va, a2);
-            b2 = _mm256_fmadd_ps(r2, vb, b2);
-            let r3 = _mm256_loadu_ps(w3.add(k));
-            a3 = _mm256_fmadd_ps(r3, va, a3);
-            b3 = _mm256_fmadd_ps(r3, vb, b3);
-            k += 8;
-        }
-        let mut sums = [
-            [hsum(a0), hsum(b0)],
-            [hsum(a1), hsum(b1)],
-            [hsum(a2), hsum(b2)],
-            [hsum(a3), hsum(b3)],
+        let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(src.add(i * src_stride)));
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        let columns = [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
         ];
-        for (r, row) in [w0, w1, w2, w3].into_iter().enumerate() {
-            for t in k..len {
-                sums[r][0] += *row.add(t) * *xa.add(t);
-                sums[r][1] += *row.add(t) * *xb.add(t);
-            }
+        for (i, column) in columns.into_iter().enumerate() {
+            _mm256_storeu_ps(dst.add(i * dst_stride), column);
         }
-        sums
+    }
+}
+
+/// `c[b][j] += Σ_k x[b][k] · packed[k][j]` for `j < PANEL`, `k < len` and every activation row
+/// `b < batch` (row `b` of `x` at `b * x_stride`); `c` is `[batch][PANEL]`.
+///
+/// The register block is 6 activation rows × 16 weight rows: 12 accumulators, and per column
+/// two weight loads and six broadcasts for twelve FMAs, with no horizontal sums.
+pub fn gemm_panel_avx2(packed: &[f32], len: usize, x: &[f32], x_stride: usize, batch: usize, c: &mut [f32]) {
+    assert!(has_avx2());
+    assert!(packed.len() >= len * PANEL && c.len() >= batch * PANEL);
+    assert!(batch == 0 || (len <= x_stride && x.len() >= (batch - 1) * x_stride + len));
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX2 present; every read lies in `packed` / `x` and every write in `c` (asserted).
+    unsafe {
+        let (w, xp, cp) = (packed.as_ptr(), x.as_ptr(), c.as_mut_ptr());
+        let mut b = 0;
+        while b + 6 <= batch {
+            gemm_block::<6>(w, len, xp.add(b * x_stride), x_stride, cp.add(b * PANEL));
+            b += 6;
+        }
+        let rest = batch - b;
+        let (xs, cs) = (xp.add(b * x_stride), cp.add(b * PANEL));
+        match rest {
+            1 => gemm_block::<1>(w, len, xs, x_stride, cs),
+            2 => gemm_block::<2>(w, len, xs, x_stride, cs),
+            3 => gemm_block::<3>(w, len, xs, x_stride, cs),
+            4 => gemm_block::<4>(w, len, xs, x_stride, cs),
+            5 => gemm_block::<5>(w, len, xs, x_stride, cs),
+            _ => {}
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_4x1(w: *const f32, w_stride: usize, x: *const f32, len: usize) -> [f32; 4] {
-    // SAFETY (whole body): rows `0..4` of `w` and `x` hold `len` values (caller).
+unsafe fn gemm_block<const M: usize>(w: *const f32, len: usize, x: *const f32, x_stride: usize, c: *mut f32) {
+    // SAFETY (whole body): `w` holds `len · PANEL` values, each of the `M` rows of `x` `len`,
+    // and `c` `M · PANEL` (caller).
     unsafe {
-        let (w0, w1, w2, w3) = (w, w.add(w_stride), w.add(2 * w_stride), w.add(3 * w_stride));
-        let zero = _mm256_setzero_ps();
-        // Two accumulators per row hide the FMA latency when only one activation row streams.
-        let (mut a0, mut a1, mut a2, mut a3) = (zero, zero, zero, zero);
-        let (mut b0, mut b1, mut b2, mut b3) = (zero, zero, zero, zero);
-        let mut k = 0;
-        while k + 16 <= len {
-            let va = _mm256_loadu_ps(x.add(k));
-            let vb = _mm256_loadu_ps(x.add(k + 8));
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0.add(k)), va, a0);
-            b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0.add(k + 8)), vb, b0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1.add(k)), va, a1);
-            b1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1.add(k + 8)), vb, b1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2.add(k)), va, a2);
-            b2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2.add(k + 8)), vb, b2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3.add(k)), va, a3);
-            b3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3.add(k + 8)), vb, b3);
-            k += 16;
-        }
-        if k + 8 <= len {
-            let va = _mm256_loadu_ps(x.add(k));
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0.add(k)), va, a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1.add(k)), va, a1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2.add(k)), va, a2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3.add(k)), va, a3);
-            k += 8;
-        }
-        let mut sums = [
-            hsum(_mm256_add_ps(a0, b0)),
-            hsum(_mm256_add_ps(a1, b1)),
-            hsum(_mm256_add_ps(a2, b2)),
-            hsum(_mm256_add_ps(a3, b3)),
-        ];
-        for (r, row) in [w0, w1, w2, w3].into_iter().enumerate() {
-            for t in k..len {
-                sums[r] += *row.add(t) * *x.add(t);
+        let mut low: [__m256; M] = std::array::from_fn(|i| _mm256_loadu_ps(c.add(i * PANEL)));
+        let mut high: [__m256; M] = std::array::from_fn(|i| _mm256_loadu_ps(c.add(i * PANEL + 8)));
+        for k in 0..len {
+            let w0 = _mm256_loadu_ps(w.add(k * PANEL));
+            let w1 = _mm256_loadu_ps(w.add(k * PANEL + 8));
+            for i in 0..M {
+                let xv = _mm256_broadcast_ss(&*x.add(i * x_stride + k));
+                low[i] = _mm256_fmadd_ps(w0, xv, low[i]);
+                high[i] = _mm256_fmadd_ps(w1, xv, high[i]);
             }
         }
-        sums
+        for i in 0..M {
+            _mm256_storeu_ps(c.add(i * PANEL), low[i]);
+            _mm256_storeu_ps(c.add(i * PANEL + 8), high[i]);
+        }
     }
 }
 
@@ -495,6 +434,183 @@ unsafe fn dot_avx2(a: *const f32, b: *const f32, len: usize) -> f32 {
         }
         sum
     }
+}
+
+/// Query heads one KV head serves at most on the AVX2 path of [`group_dots`] / [`group_axpy`].
+const MAX_GROUP: usize = 8;
+
+/// `out[g] = scale · q_g · key` for each query head `g` of a group (`queries` is `[group][dim]`,
+/// `dim = key.len()`): the key is loaded once for the whole group.
+pub fn group_dots(queries: &[f32], key: &[f32], scale: f32, out: &mut [f32]) {
+    let dim = key.len();
+    let group = out.len();
+    assert!(queries.len() >= group * dim);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && group <= MAX_GROUP && dim.is_multiple_of(8) {
+        // SAFETY: AVX2 present; `queries` holds `group · dim` values, `key` `dim`, `out` `group`.
+        unsafe { group_dots_avx2(queries.as_ptr(), key.as_ptr(), dim, scale, out) };
+        return;
+    }
+    for (g, o) in out.iter_mut().enumerate() {
+        *o = scale * dot(&queries[g * dim..(g + 1) * dim], key);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_dots_avx2(queries: *const f32, key: *const f32, dim: usize, scale: f32, out: &mut [f32]) {
+    // SAFETY (whole body): see `group_dots`; `out.len() <= MAX_GROUP`, `dim % 8 == 0`.
+    unsafe {
+        let group = out.len();
+        let mut acc = [_mm256_setzero_ps(); MAX_GROUP];
+        for c in (0..dim).step_by(8) {
+            let k = _mm256_loadu_ps(key.add(c));
+            for (g, a) in acc.iter_mut().enumerate().take(group) {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(queries.add(g * dim + c)), k, *a);
+            }
+        }
+        for (g, o) in out.iter_mut().enumerate() {
+            *o = scale * hsum(acc[g]);
+        }
+    }
+}
+
+/// `out_g += weights[g] · value` for each query head `g` of a group (`out` is `[group][dim]`,
+/// `dim = value.len()`): the value row is loaded once for the whole group.
+pub fn group_axpy(weights: &[f32], value: &[f32], out: &mut [f32]) {
+    let dim = value.len();
+    let group = weights.len();
+    assert!(out.len() >= group * dim);
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && dim.is_multiple_of(8) {
+        // SAFETY: AVX2 present; `value` holds `dim` values and `out` `group · dim`.
+        unsafe { group_axpy_avx2(weights, value.as_ptr(), dim, out.as_mut_ptr()) };
+        return;
+    }
+    for (g, w) in weights.iter().enumerate() {
+        axpy(*w, value, &mut out[g * dim..(g + 1) * dim]);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_axpy_avx2(weights: &[f32], value: *const f32, dim: usize, out: *mut f32) {
+    // SAFETY (whole body): see `group_axpy`; `dim % 8 == 0`.
+    unsafe {
+        for c in (0..dim).step_by(8) {
+            let v = _mm256_loadu_ps(value.add(c));
+            for (g, w) in weights.iter().enumerate() {
+                let dst = out.add(g * dim + c);
+                _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_set1_ps(*w), v, _mm256_loadu_ps(dst)));
+            }
+        }
+    }
+}
+
+/// `out_g = Σ_t weights[t][g] · values[offsets[t]..][..dim]` for each query head `g` of a group
+/// (`weights` is `[offsets.len()][group]`, `out` is `[group][dim]`, overwritten). The AVX2 path
+/// keeps a slice of every head's output in registers across all rows (up to 12 accumulators),
+/// so each value row is loaded once per slice and no partial output goes through memory.
+pub fn weighted_rows(weights: &[f32], group: usize, values: &[f32], offsets: &[usize], dim: usize, out: &mut [f32]) {
+    assert!(weights.len() >= offsets.len() * group && out.len() >= group * dim);
+    assert!(offsets.iter().all(|&o| o + dim <= values.len()));
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        let (w, v, o) = (weights.as_ptr(), values.as_ptr(), out.as_mut_ptr());
+        // SAFETY: AVX2 present; every row read lies in `values` and every weight in `weights`
+        // (asserted), and `out` holds `group · dim` values.
+        let done = unsafe {
+            match (group, dim % 32, dim % 16) {
+                (1, 0, _) => weighted_rows_avx2::<1, 4>(w, v, offsets, dim, o),
+                (2, 0, _) => weighted_rows_avx2::<2, 4>(w, v, offsets, dim, o),
+                (3, 0, _) => weighted_rows_avx2::<3, 4>(w, v, offsets, dim, o),
+                (4, _, 0) => weighted_rows_avx2::<4, 2>(w, v, offsets, dim, o),
+                (5, _, 0) => weighted_rows_avx2::<5, 2>(w, v, offsets, dim, o),
+                (6, _, 0) => weighted_rows_avx2::<6, 2>(w, v, offsets, dim, o),
+                _ => false,
+            }
+        };
+        if done {
+            return;
+        }
+    }
+    out[..group * dim].fill(0.0);
+    for (t, &offset) in offsets.iter().enumerate() {
+        group_axpy(&weights[t * group..(t + 1) * group], &values[offset..offset + dim], out);
+    }
+}
+
+/// `G` heads, `CV` vectors of each head's output per pass; returns true (the dispatch checked
+/// that `dim` is a multiple of `8 · CV`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted_rows_avx2<const G: usize, const CV: usize>(
+    weights: *const f32,
+    values: *const f32,
+    offsets: &[usize],
+    dim: usize,
+    out: *mut f32,
+) -> bool {
+    // SAFETY (whole body): see `weighted_rows`.
+    unsafe {
+        for slice in (0..dim).step_by(8 * CV) {
+            let mut acc = [[_mm256_setzero_ps(); CV]; G];
+            for (t, &offset) in offsets.iter().enumerate() {
+                let row = values.add(offset + slice);
+                let v: [__m256; CV] = std::array::from_fn(|c| _mm256_loadu_ps(row.add(8 * c)));
+                for (g, head) in acc.iter_mut().enumerate() {
+                    let w = _mm256_broadcast_ss(&*weights.add(t * G + g));
+                    for (a, vc) in head.iter_mut().zip(&v) {
+                        *a = _mm256_fmadd_ps(w, *vc, *a);
+                    }
+                }
+            }
+            for (g, head) in acc.iter().enumerate() {
+                for (c, a) in head.iter().enumerate() {
+                    _mm256_storeu_ps(out.add(g * dim + slice + 8 * c), *a);
+                }
+            }
+        }
+        true
+    }
+}
+
+/// `x[i] = eˣ⁽ⁱ⁾` in place. The AVX2 path is the Cephes polynomial (as in `avx_mathfun`'s
+/// `exp256_ps`): within 2 ulp of libm over the range softmax and SiLU use, 8 at a time.
+pub fn exp_in_place(x: &mut [f32]) {
+    let vector_len = x.len() / 8 * 8;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        for chunk in x[..vector_len].chunks_exact_mut(8) {
+            // SAFETY: AVX2 present; `chunk` holds 8 values.
+            unsafe { _mm256_storeu_ps(chunk.as_mut_ptr(), exp256(_mm256_loadu_ps(chunk.as_ptr()))) };
+        }
+        x[vector_len..].iter_mut().for_each(|v| *v = v.exp());
+        return;
+    }
+    x.iter_mut().for_each(|v| *v = v.exp());
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp256(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.336_55)), _mm256_set1_ps(88.376_26));
+    // x = n·ln2 + r, |r| ≤ ln2/2; ln2 split in two for the subtraction's accuracy.
+    let n = _mm256_floor_ps(_mm256_fmadd_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+        _mm256_set1_ps(0.5),
+    ));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut y = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+    }
+    let y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
+    // 2ⁿ from the exponent bits.
+    let pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
 }
 
 /// `y[i] += alpha · x[i]` (AVX2 when present).
@@ -551,6 +667,18 @@ impl<'a> SharedOutput<'a> {
             batch,
             columns,
             _borrow: PhantomData,
+        }
+    }
+
+    /// Stores `values[b][j]` (`values` is `[batch][stride]`) at `out[b][first + j]` for
+    /// `j < columns`. Callers pass only the columns their task owns (module invariant).
+    pub fn store_rows(&self, first: usize, columns: usize, values: &[f32], stride: usize) {
+        assert!(first + columns <= self.columns && columns <= stride);
+        assert!(self.batch == 0 || values.len() >= (self.batch - 1) * stride + columns);
+        for b in 0..self.batch {
+            let src = &values[b * stride..b * stride + columns];
+            // SAFETY: in bounds (asserted); no other task writes these columns.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(b * self.columns + first), columns) };
         }
     }
 

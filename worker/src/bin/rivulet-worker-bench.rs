@@ -158,6 +158,10 @@ fn main() -> anyhow::Result<()> {
             let seconds = median_seconds(8, || engine.decode(batch, context, blocks_per_seq));
             report(&format!("decode batch {batch} @{context}"), seconds, batch, context);
         }
+        // RIVULET_BENCH_NO_PREFILL=1 leaves the prefill out (e.g. to profile decode alone).
+        if std::env::var_os("RIVULET_BENCH_NO_PREFILL").is_some() {
+            continue;
+        }
         let seconds = median_seconds(4, || engine.prefill(context, blocks_per_seq));
         // A prefill's attention averages half the context; its head runs for one row only.
         report(&format!("prefill {context} tokens"), seconds, context, context / 2);
