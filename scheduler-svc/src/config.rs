@@ -86,8 +86,13 @@ pub struct WorkerConfig {
     /// libtorch intra-op threads (default: all cores, split between spawned replicas).
     pub threads: Option<u32>,
     /// CPU: keep f16 copies of the weights for steps of one token (single-stream decode), about
-    /// twice as fast there; activations are rounded to f16, which can flip near-ties.
+    /// twice as fast there; activations are rounded to f16, which can flip near-ties. A feature
+    /// of the libtorch engine: it selects that engine.
     pub half_precision_gemv: bool,
+    /// CPU: run libtorch's forward pass (f32 weights, oneDNN) instead of Rivulet's kernels on the
+    /// GGUF blocks; for comparison. Spawned workers only (an attached worker takes
+    /// `--libtorch-cpu` on its own command line).
+    pub libtorch_cpu: bool,
     /// Seconds to wait for the worker to load its model and report ready.
     pub startup_timeout_secs: u64,
     /// Seconds one iteration may take before the worker is declared hung.
@@ -159,6 +164,7 @@ impl Default for Config {
                 block_size: 16,
                 threads: None,
                 half_precision_gemv: false,
+                libtorch_cpu: false,
                 startup_timeout_secs: 300,
                 step_timeout_secs: 120,
             },

@@ -65,6 +65,8 @@ pub struct WorkerLaunch {
     pub max_num_seqs: u32,
     /// The worker logs as the scheduler does (`server.json_logs`).
     pub json_logs: bool,
+    /// `worker.libtorch_cpu`: spawned CPU workers run libtorch's forward pass, not the kernels.
+    pub libtorch_cpu: bool,
 }
 
 impl WorkerLaunch {
@@ -104,6 +106,7 @@ impl WorkerLaunch {
             max_num_batched_tokens: config.scheduler.max_num_batched_tokens,
             max_num_seqs: config.scheduler.max_num_seqs,
             json_logs: config.server.json_logs,
+            libtorch_cpu: worker.libtorch_cpu,
         }
     }
 }
@@ -220,6 +223,9 @@ impl WorkerClient {
         }
         if let Some(threads) = launch.threads {
             command.arg("--threads").arg(threads.to_string());
+        }
+        if launch.libtorch_cpu {
+            command.arg("--libtorch-cpu");
         }
         command.env("RIVULET_SERVER__JSON_LOGS", launch.json_logs.to_string());
         let child = command.spawn().map_err(|source| WorkerClientError::Spawn {

@@ -149,6 +149,7 @@ impl Worker {
                 Engine::Torch { .. } => describe(device),
             },
         };
+        crate::malloc_tuning::release_freed_memory();
         Ok(Self {
             engine,
             ready,
