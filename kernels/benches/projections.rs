@@ -53,6 +53,8 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
     // One SmolLM2-135M layer: QKV, O, gate+up, down.
     let shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
     let layers = 30;
+    // Each layer has its own matrices, as a model does: a step streams every weight from memory
+    // (one set reused 30 times would stay in the caches and flatter the small batches).
     println!("threads {threads}; one step = {layers} layers of SmolLM2-135M projections (no head)");
     println!(
         "{:<6} {:<9} {:>6} {:>10} {:>10} {:>10}",
@@ -62,11 +64,15 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
         if !formats.split(',').any(|f| f == format!("{format:?}")) {
             continue;
         }
-        let matrices: Vec<WeightMatrix> = shapes
-            .iter()
-            .map(|&(rows, cols)| random_matrix(&mut rng, format, rows, cols))
+        let matrices: Vec<Vec<WeightMatrix>> = (0..layers)
+            .map(|_| {
+                shapes
+                    .iter()
+                    .map(|&(rows, cols)| random_matrix(&mut rng, format, rows, cols))
+                    .collect()
+            })
             .collect();
-        let bytes: usize = matrices.iter().map(WeightMatrix::byte_len).sum::<usize>() * layers;
+        let bytes: usize = matrices.iter().flatten().map(WeightMatrix::byte_len).sum();
         let weights: usize = shapes.iter().map(|(r, c)| r * c).sum::<usize>() * layers;
         // PROJECTIONS_BEST_ONLY=1 skips the portable path (for a profiler).
         let paths = if std::env::var_os("PROJECTIONS_BEST_ONLY").is_some() {
@@ -82,8 +88,8 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
                     .collect();
                 let mut outputs: Vec<Vec<f32>> = shapes.iter().map(|&(rows, _)| vec![0.0; batch * rows]).collect();
                 let mut step = || {
-                    for _ in 0..layers {
-                        for ((m, x), out) in matrices.iter().zip(&inputs).zip(&mut outputs) {
+                    for layer in &matrices {
+                        for ((m, x), out) in layer.iter().zip(&inputs).zip(&mut outputs) {
                             m.matmul_on(isa, x, batch, out).expect("shapes match");
                         }
                     }

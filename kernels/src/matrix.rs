@@ -170,11 +170,22 @@ impl WeightMatrix {
             let last = ((task + 1) * per_task * unit).min(self.rows);
             match path {
                 Path::Gemv => {
-                    let mut sums = [0f32; simd::GEMV_MAX_BATCH];
-                    for row in first..last {
-                        let bytes = &self.data[row * self.row_bytes..(row + 1) * self.row_bytes];
-                        simd::gemv_row_avx2(self.format, bytes, self.cols, x, self.cols, batch, &mut sums);
-                        output.store_columns(first_column + row, 1, &sums[..batch]);
+                    let mut sums = [0f32; STRIP * simd::GEMV_MAX_BATCH];
+                    for row in (first..last).step_by(STRIP) {
+                        let rows = STRIP.min(last - row);
+                        let bytes = &self.data[row * self.row_bytes..(row + rows) * self.row_bytes];
+                        simd::gemv_rows_avx2(
+                            self.format,
+                            bytes,
+                            self.row_bytes,
+                            rows,
+                            self.cols,
+                            x,
+                            self.cols,
+                            batch,
+                            &mut sums,
+                        );
+                        output.store_columns(first_column + row, rows, &sums[..rows * batch]);
                     }
                 }
                 Path::Packed => SCRATCH.with_borrow_mut(|scratch| {

@@ -87,6 +87,10 @@ fn main() -> anyhow::Result<()> {
         .split(',')
         .map(|b| b.trim().parse().context("RIVULET_BENCH_BATCHES"))
         .collect::<anyhow::Result<_>>()?;
+    // RIVULET_BENCH_RUNS: timed decode steps per batch (more for a profiler; default 8).
+    let decode_runs: usize = env_or("RIVULET_BENCH_RUNS", "8")
+        .parse()
+        .context("RIVULET_BENCH_RUNS")?;
     let _guard = tch::no_grad_guard();
     let file = GgufFile::open(&model_path)?;
     let config = ModelConfig::from_gguf(&file)?;
@@ -155,7 +159,7 @@ fn main() -> anyhow::Result<()> {
         };
         println!("{name}: weights read per step {:.1} MB", *weight_bytes / 1e6);
         for &batch in &batches {
-            let seconds = median_seconds(8, || engine.decode(batch, context, blocks_per_seq));
+            let seconds = median_seconds(decode_runs, || engine.decode(batch, context, blocks_per_seq));
             report(&format!("decode batch {batch} @{context}"), seconds, batch, context);
         }
         // RIVULET_BENCH_NO_PREFILL=1 leaves the prefill out (e.g. to profile decode alone).
