@@ -222,8 +222,15 @@ impl WeightMatrix {
         tile.resize(simd::PANEL * PACKED_TILE, 0.0);
         packed.resize(PACKED_TILE * simd::PANEL, 0.0);
         let mut start = 0;
+        let next_panel = first + simd::PANEL..(first + 2 * simd::PANEL).min(self.rows);
         while start < self.cols {
             let len = PACKED_TILE.min(self.cols - start);
+            // The next panel's bytes for this tile, on their way while this one computes: 16 rows
+            // read a few blocks at a time are more streams than the hardware prefetcher follows.
+            let bytes = self.row_bytes * start / self.cols..self.row_bytes * (start + len) / self.cols;
+            for row in next_panel.clone() {
+                simd::prefetch(&self.data[row * self.row_bytes..][bytes.clone()]);
+            }
             for r in 0..simd::PANEL {
                 let dst = &mut tile[r * PACKED_TILE..r * PACKED_TILE + len];
                 if r < rows {
