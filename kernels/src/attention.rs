@@ -83,12 +83,14 @@ thread_local! {
 }
 
 /// Where the key (or value) row of KV head `kv_head` for the sequence's `index`-th token starts.
+#[cfg(test)]
 fn kv_offset(shape: AttentionShape, table: &[i64], index: usize, kv_head: usize) -> usize {
     let slot = table[index / shape.block_size] as usize * shape.block_size + index % shape.block_size;
     slot * shape.kv_width() + kv_head * shape.head_dim
 }
 
 /// The key (or value) row of KV head `kv_head` for the sequence's `index`-th token.
+#[cfg(test)]
 fn kv_row<'c>(shape: AttentionShape, cache: &'c [f32], table: &[i64], index: usize, kv_head: usize) -> &'c [f32] {
     let at = kv_offset(shape, table, index, kv_head);
     &cache[at..at + shape.head_dim]
@@ -108,16 +110,25 @@ fn attend_group(
     out_group: &mut [f32],
 ) {
     let (group, visible) = (shape.group(), token.visible);
+    // Where each visible key (and value) row starts, block by block through the table: slots
+    // of one block are consecutive, so no per-key division.
+    offsets.clear();
+    let head_at = kv_head * shape.head_dim;
+    for (index, &block) in token.block_table.iter().enumerate() {
+        let first = index * shape.block_size;
+        if first >= visible {
+            break;
+        }
+        let base = block as usize * shape.block_size;
+        let slots = base..base + shape.block_size.min(visible - first);
+        offsets.extend(slots.map(|slot| slot * shape.kv_width() + head_at));
+    }
+    debug_assert_eq!(offsets.len(), visible, "the caller checked the table covers every key");
     // `[visible][group]`: one key's scores for the whole group side by side.
     scores.clear();
     scores.resize(visible * group, 0.0);
-    for (index, row) in scores.chunks_exact_mut(group).enumerate() {
-        group_dots(
-            query_group,
-            kv_row(shape, keys, token.block_table, index, kv_head),
-            scale,
-            row,
-        );
+    for (row, &at) in scores.chunks_exact_mut(group).zip(offsets.iter()) {
+        group_dots(query_group, &keys[at..at + shape.head_dim], scale, row);
     }
     // Softmax per head: subtract each head's maximum, exponentiate the whole block at once
     // (vectorized), then normalize.
@@ -149,8 +160,6 @@ fn attend_group(
             row.iter_mut().zip(total.iter()).for_each(|(s, t)| *s /= t);
         }
     }
-    offsets.clear();
-    offsets.extend((0..visible).map(|index| kv_offset(shape, token.block_table, index, kv_head)));
     weighted_rows(scores, group, values, offsets, shape.head_dim, out_group);
 }
 
