@@ -437,7 +437,7 @@ pub fn gemm_panel_avx2(packed: &[f32], len: usize, x: &[f32], x_stride: usize, b
         let blocks = batch.div_ceil(6);
         let mut b = 0;
         for block in 0..blocks {
-            let rows = (batch - b) / (blocks - block) + usize::from((batch - b) % (blocks - block) != 0);
+            let rows = (batch - b).div_ceil(blocks - block);
             let (xs, cs) = (xp.add(b * x_stride), cp.add(b * PANEL));
             match rows {
                 1 => gemm_block::<1>(w, len, xs, x_stride, cs),
