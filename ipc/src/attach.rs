@@ -10,8 +10,10 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-/// Bumped whenever the attach lines or the IPC messages change incompatibly.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// Bumped whenever the attach lines, the IPC messages or the step buffer's layout
+/// ([`STEP_LAYOUT_VERSION`](crate::layout::STEP_LAYOUT_VERSION)) change incompatibly: this is the
+/// version the scheduler checks before it starts a worker (3: sampling parameters as rows).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The worker's first line.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,13 +1,23 @@
 //! The shared-memory step buffer's layout: a `#[repr(C)]` header followed by fixed-capacity
 //! arrays at offsets both processes compute from the same [`StepCapacity`].
 //!
-//! Every array element is `i64` or `f32`, the dtypes the worker wraps as tensors without a copy
-//! (index ops in libtorch take `i64`). Arrays start on 64-byte boundaries.
+//! Each array is described once, in the table at the `step_arrays!` call below: its name, its
+//! element type and its length in terms of the capacity. The table generates [`StepLayout`] (one
+//! typed [`ArraySpan`] per array), [`StepLayout::new`] and [`StepLayout::arrays`], so a new array
+//! is one line there. A span carries its element type, so
+//! [`StepBuffer::array`](crate::StepBuffer::array) hands back a slice of the right type.
+//!
+//! Elements are [`StepElement`]s: `i64` and `f32`, the dtypes the worker wraps as tensors without
+//! a copy (index ops in libtorch take `i64`), and [`SeqSampling`], one `#[repr(C)]` row of
+//! sampling parameters per sequence. Arrays start on 64-byte boundaries.
+
+use std::marker::PhantomData;
 
 use serde::{Deserialize, Serialize};
 
 pub const STEP_MAGIC: u32 = 0x5256_4C54; // "RVLT"
-pub const STEP_LAYOUT_VERSION: u32 = 1;
+/// Bumped whenever the buffer's layout changes (2: sampling parameters became [`SeqSampling`] rows).
+pub const STEP_LAYOUT_VERSION: u32 = 2;
 const ARRAY_ALIGN: usize = 64;
 
 /// Written by the scheduler before each `Step`; read by the worker.
@@ -23,8 +33,8 @@ pub struct StepHeader {
     /// Sequences in the step (`query_start` holds `num_seqs + 1`, the per-sequence arrays `num_seqs`).
     pub num_seqs: u32,
 }
-const _: () = assert!(std::mem::size_of::<StepHeader>() == 24);
-const _: () = assert!(std::mem::align_of::<StepHeader>() == 8);
+const _: () = assert!(size_of::<StepHeader>() == 24);
+const _: () = assert!(align_of::<StepHeader>() == 8);
 
 /// The most a step may hold; fixed when the buffer is created.
 #[repr(C)]
@@ -36,163 +46,218 @@ pub struct StepCapacity {
     /// Token ids of all sequences' penalty histories together (`history_tokens`).
     pub max_history_tokens: u32,
 }
-const _: () = assert!(std::mem::size_of::<StepCapacity>() == 16);
+const _: () = assert!(size_of::<StepCapacity>() == 16);
 
 /// Alternatives per token that `top_logprobs` may ask for.
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
-/// A byte range of one array inside the buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ArraySpan {
+/// One sequence's sampling parameters: a row of the `sampling` array, written by the scheduler
+/// from the request's parameters, read by the worker for the sequences it samples.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SeqSampling {
+    /// 0 (or less) is greedy.
+    pub temperature: f32,
+    /// Keep the most likely tokens up to this probability mass (1: off).
+    pub top_p: f32,
+    /// Drop tokens less likely than this fraction of the most likely one's probability (0: off).
+    pub min_p: f32,
+    /// Divides positive logits, multiplies negative ones, of prompt and generated tokens (1: off).
+    pub repetition_penalty: f32,
+    /// Subtracted once per occurrence of a generated token (0: off).
+    pub frequency_penalty: f32,
+    /// Subtracted once from every generated token (0: off).
+    pub presence_penalty: f32,
+    /// Keep the `top_k` most likely tokens (≤ 0: off).
+    pub top_k: i64,
+    /// The request's seed, its `u64` bits as `i64`: the worker's generator works on wrapping
+    /// 64-bit integers.
+    pub seed: i64,
+    /// Which draw of the sequence this is: its generated-token count, so a seeded sequence draws
+    /// the same numbers whatever batch it is in.
+    pub draw_index: i64,
+    /// Alternatives to report (`0..=MAX_TOP_LOGPROBS`); 0 unless the request asked for logprobs.
+    pub num_top_logprobs: i64,
+}
+// Six f32 then four i64: no padding anywhere, so every byte of a row is a field's.
+const _: () = assert!(size_of::<SeqSampling>() == 6 * size_of::<f32>() + 4 * size_of::<i64>());
+const _: () = assert!(size_of::<SeqSampling>() == 56);
+const _: () = assert!(align_of::<SeqSampling>() == 8);
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for i64 {}
+    impl Sealed for f32 {}
+    impl Sealed for super::SeqSampling {}
+}
+
+/// A type the step buffer's arrays hold, read from and written to the shared bytes in place.
+///
+/// # Safety
+/// Implementors are valid for every bit pattern (whatever the other process wrote is a value),
+/// have no padding (every byte written is defined) and are aligned to at most 64 bytes (an
+/// array's alignment). Sealed: only `i64`, `f32` and [`SeqSampling`] (checked above) implement it.
+pub unsafe trait StepElement: Copy + sealed::Sealed + 'static {}
+// SAFETY: a plain integer: any 8 bytes are an i64, no padding, align 8.
+unsafe impl StepElement for i64 {}
+// SAFETY: any 4 bytes are an f32 (possibly NaN), no padding, align 4.
+unsafe impl StepElement for f32 {}
+// SAFETY: `#[repr(C)]` of f32 and i64 fields only, whose sizes sum to the struct's (checked
+// above): no padding, and any bytes are a row; align 8.
+unsafe impl StepElement for SeqSampling {}
+
+/// Where one array of `T` lies inside the buffer: only a [`StepLayout`] makes these.
+pub struct ArraySpan<T> {
+    /// Bytes from the start of the buffer; a multiple of 64.
     pub offset: usize,
+    /// Elements (not bytes).
     pub len: usize,
+    elem: PhantomData<fn() -> T>,
 }
 
-/// Byte offsets of every array for one capacity.
-///
-/// Inputs (scheduler writes):
-/// - per token (`[max_tokens]`): `input_ids`, `positions`, `slot_mapping`;
-/// - per sequence: `query_start` (`[max_seqs + 1]`, prefix sums of each sequence's tokens in this
-///   step), `context_lens` (tokens in the KV cache after this step), `sample` (1 when the step ends
-///   at the sequence's last token, so its next one is sampled), `block_tables`
-///   (`[max_seqs, max_blocks_per_seq]`, row-major, unused entries 0);
-/// - sampling, per sequence: `temperature`, `top_k` (≤ 0: off), `top_p`, `min_p`,
-///   `repetition_penalty`, `frequency_penalty`, `presence_penalty`, `seed`, `draw_index` (which
-///   draw of the sequence this is: its generated-token count, so a seeded sequence draws the same
-///   numbers whatever batch it is in), `num_top_logprobs`;
-/// - penalty histories: `history_start` (`[max_seqs + 1]`, prefix sums into `history_tokens`),
-///   `history_prompt_len` (the first so many of a sequence's history are prompt tokens, the rest
-///   generated ones), `history_tokens` (`[max_history_tokens]`).
-///
-/// Outputs (worker writes), valid where `sample`: `sampled_tokens`, `sampled_logprobs` (the
-/// chosen token's log-probability under the model), `top_logprob_ids` / `top_logprob_values`
-/// (`[max_seqs, MAX_TOP_LOGPROBS]`, the first `num_top_logprobs` of each row).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StepLayout {
-    pub capacity: StepCapacity,
-    pub input_ids: ArraySpan,
-    pub positions: ArraySpan,
-    pub slot_mapping: ArraySpan,
-    pub query_start: ArraySpan,
-    pub context_lens: ArraySpan,
-    pub sample: ArraySpan,
-    pub block_tables: ArraySpan,
-    pub temperature: ArraySpan,
-    pub top_k: ArraySpan,
-    pub top_p: ArraySpan,
-    pub min_p: ArraySpan,
-    pub repetition_penalty: ArraySpan,
-    pub frequency_penalty: ArraySpan,
-    pub presence_penalty: ArraySpan,
-    pub seed: ArraySpan,
-    pub draw_index: ArraySpan,
-    pub num_top_logprobs: ArraySpan,
-    pub history_start: ArraySpan,
-    pub history_prompt_len: ArraySpan,
-    pub history_tokens: ArraySpan,
-    pub sampled_tokens: ArraySpan,
-    pub sampled_logprobs: ArraySpan,
-    pub top_logprob_ids: ArraySpan,
-    pub top_logprob_values: ArraySpan,
-    pub total_bytes: usize,
-}
-
-impl StepLayout {
-    pub fn new(capacity: StepCapacity) -> Self {
-        let tokens = capacity.max_tokens as usize;
-        let seqs = capacity.max_seqs as usize;
-        let blocks = capacity.max_blocks_per_seq as usize;
-        let history = capacity.max_history_tokens as usize;
-        let mut cursor = std::mem::size_of::<StepHeader>();
-        let mut next = |elems: usize, elem_size: usize| {
-            let offset = cursor.next_multiple_of(ARRAY_ALIGN);
-            cursor = offset + elems * elem_size;
-            ArraySpan { offset, len: elems }
-        };
-        let input_ids = next(tokens, 8);
-        let positions = next(tokens, 8);
-        let slot_mapping = next(tokens, 8);
-        let query_start = next(seqs + 1, 8);
-        let context_lens = next(seqs, 8);
-        let sample = next(seqs, 8);
-        let block_tables = next(seqs * blocks, 8);
-        let temperature = next(seqs, 4);
-        let top_k = next(seqs, 8);
-        let top_p = next(seqs, 4);
-        let min_p = next(seqs, 4);
-        let repetition_penalty = next(seqs, 4);
-        let frequency_penalty = next(seqs, 4);
-        let presence_penalty = next(seqs, 4);
-        let seed = next(seqs, 8);
-        let draw_index = next(seqs, 8);
-        let num_top_logprobs = next(seqs, 8);
-        let history_start = next(seqs + 1, 8);
-        let history_prompt_len = next(seqs, 8);
-        let history_tokens = next(history, 8);
-        let sampled_tokens = next(seqs, 8);
-        let sampled_logprobs = next(seqs, 4);
-        let top_logprob_ids = next(seqs * MAX_TOP_LOGPROBS, 8);
-        let top_logprob_values = next(seqs * MAX_TOP_LOGPROBS, 4);
-        let total_bytes = cursor.next_multiple_of(ARRAY_ALIGN);
+impl<T: StepElement> ArraySpan<T> {
+    /// The next array of `len` elements at or after `cursor`, which moves past it.
+    fn place(cursor: &mut usize, len: usize) -> Self {
+        const { assert!(align_of::<T>() <= ARRAY_ALIGN) };
+        let offset = cursor.next_multiple_of(ARRAY_ALIGN);
+        *cursor = offset + len * size_of::<T>();
         Self {
-            capacity,
-            input_ids,
-            positions,
-            slot_mapping,
-            query_start,
-            context_lens,
-            sample,
-            block_tables,
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-            repetition_penalty,
-            frequency_penalty,
-            presence_penalty,
-            seed,
-            draw_index,
-            num_top_logprobs,
-            history_start,
-            history_prompt_len,
-            history_tokens,
-            sampled_tokens,
-            sampled_logprobs,
-            top_logprob_ids,
-            top_logprob_values,
-            total_bytes,
+            offset,
+            len,
+            elem: PhantomData,
         }
     }
 
-    /// Every array with its element size, in buffer order.
-    pub fn arrays(&self) -> [(ArraySpan, usize); 24] {
-        [
-            (self.input_ids, 8),
-            (self.positions, 8),
-            (self.slot_mapping, 8),
-            (self.query_start, 8),
-            (self.context_lens, 8),
-            (self.sample, 8),
-            (self.block_tables, 8),
-            (self.temperature, 4),
-            (self.top_k, 8),
-            (self.top_p, 4),
-            (self.min_p, 4),
-            (self.repetition_penalty, 4),
-            (self.frequency_penalty, 4),
-            (self.presence_penalty, 4),
-            (self.seed, 8),
-            (self.draw_index, 8),
-            (self.num_top_logprobs, 8),
-            (self.history_start, 8),
-            (self.history_prompt_len, 8),
-            (self.history_tokens, 8),
-            (self.sampled_tokens, 8),
-            (self.sampled_logprobs, 4),
-            (self.top_logprob_ids, 8),
-            (self.top_logprob_values, 4),
-        ]
+    /// The array's size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * size_of::<T>()
     }
+}
+
+// By hand: derives would ask `T` for the same traits, and `SeqSampling` is not `Eq`.
+impl<T> Clone for ArraySpan<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for ArraySpan<T> {}
+impl<T> PartialEq for ArraySpan<T> {
+    fn eq(&self, other: &Self) -> bool {
+        (self.offset, self.len) == (other.offset, other.len)
+    }
+}
+impl<T> Eq for ArraySpan<T> {}
+impl<T> std::fmt::Debug for ArraySpan<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArraySpan")
+            .field("type", &std::any::type_name::<T>())
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// One array's place, its element type erased: for checks that walk every array.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArrayInfo {
+    pub name: &'static str,
+    pub offset: usize,
+    pub bytes: usize,
+    pub align: usize,
+}
+
+/// Generates [`StepLayout`] from the table of arrays. The first line names the capacity's four
+/// counts (`max_tokens`, `max_seqs`, `max_blocks_per_seq`, `max_history_tokens`, as `usize`) for
+/// the length expressions; then one `name: Element [length]` line per array, in buffer order.
+macro_rules! step_arrays {
+    (
+        |$tokens:ident, $seqs:ident, $blocks_per_seq:ident, $history:ident|
+        $( $(#[$meta:meta])* $name:ident : $elem:ty [ $len:expr ] ),* $(,)?
+    ) => {
+        /// Where every array of the buffer lies for one capacity. Inputs are written by the
+        /// scheduler before `Step`; outputs by the worker before `StepDone`, valid for the
+        /// sequences whose `sample` is 1.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub struct StepLayout {
+            pub capacity: StepCapacity,
+            $( $(#[$meta])* pub $name: ArraySpan<$elem>, )*
+            pub total_bytes: usize,
+        }
+
+        impl StepLayout {
+            /// How many arrays the buffer holds.
+            pub const ARRAY_COUNT: usize = [$(stringify!($name)),*].len();
+
+            pub fn new(capacity: StepCapacity) -> Self {
+                let $tokens = capacity.max_tokens as usize;
+                let $seqs = capacity.max_seqs as usize;
+                let $blocks_per_seq = capacity.max_blocks_per_seq as usize;
+                let $history = capacity.max_history_tokens as usize;
+                let mut cursor = size_of::<StepHeader>();
+                $( let $name = ArraySpan::<$elem>::place(&mut cursor, $len); )*
+                Self {
+                    capacity,
+                    $( $name, )*
+                    total_bytes: cursor.next_multiple_of(ARRAY_ALIGN),
+                }
+            }
+
+            /// Every array, in buffer order.
+            pub fn arrays(&self) -> [ArrayInfo; Self::ARRAY_COUNT] {
+                [$(
+                    ArrayInfo {
+                        name: stringify!($name),
+                        offset: self.$name.offset,
+                        bytes: self.$name.byte_len(),
+                        align: align_of::<$elem>(),
+                    }
+                ),*]
+            }
+        }
+    };
+}
+
+step_arrays! {
+    |tokens, seqs, blocks_per_seq, history|
+
+    // Inputs, per token of the flat batch.
+    /// Token ids: each sequence's tokens of this step, back to back.
+    input_ids: i64 [tokens],
+    /// Each token's position in its sequence.
+    positions: i64 [tokens],
+    /// The KV-cache slot (block × block size + offset) that takes each token's K and V.
+    slot_mapping: i64 [tokens],
+
+    // Inputs, per sequence.
+    /// Prefix sums of each sequence's tokens in this step (`num_seqs + 1` of them).
+    query_start: i64 [seqs + 1],
+    /// Tokens in the sequence's KV cache after this step.
+    context_lens: i64 [seqs],
+    /// 1 when the step ends at the sequence's last token, so its next one is sampled.
+    sample: i64 [seqs],
+    /// `[max_seqs, max_blocks_per_seq]`, row-major: each sequence's KV blocks, unused entries 0.
+    block_tables: i64 [seqs * blocks_per_seq],
+    /// Each sequence's sampling parameters.
+    sampling: SeqSampling [seqs],
+
+    // Inputs: penalty histories (prompt, then generated tokens) of the sequences that need one.
+    /// Prefix sums into `history_tokens` (`num_seqs + 1` of them).
+    history_start: i64 [seqs + 1],
+    /// The first so many of a sequence's history are prompt tokens, the rest generated ones.
+    history_prompt_len: i64 [seqs],
+    /// Every history's token ids, back to back.
+    history_tokens: i64 [history],
+
+    // Outputs, per sequence.
+    /// The sampled token.
+    sampled_tokens: i64 [seqs],
+    /// The chosen token's log-probability under the model.
+    sampled_logprobs: f32 [seqs],
+    /// `[max_seqs, MAX_TOP_LOGPROBS]`: the most likely alternatives, the first
+    /// `num_top_logprobs` of each row.
+    top_logprob_ids: i64 [seqs * MAX_TOP_LOGPROBS],
+    /// Their log-probabilities, laid out as `top_logprob_ids`.
+    top_logprob_values: f32 [seqs * MAX_TOP_LOGPROBS],
 }
 
 #[cfg(test)]
@@ -207,15 +272,20 @@ mod tests {
             max_blocks_per_seq: 13,
             max_history_tokens: 50,
         });
-        let mut end = std::mem::size_of::<StepHeader>();
-        for (span, size) in layout.arrays() {
-            assert_eq!(span.offset % ARRAY_ALIGN, 0);
-            assert!(span.offset >= end, "arrays overlap");
-            end = span.offset + span.len * size;
+        let mut end = size_of::<StepHeader>();
+        for array in layout.arrays() {
+            assert_eq!(array.offset % ARRAY_ALIGN, 0, "{}", array.name);
+            assert_eq!(array.offset % array.align, 0, "{}", array.name);
+            assert!(array.offset >= end, "{} overlaps the array before it", array.name);
+            end = array.offset + array.bytes;
         }
         assert!(end <= layout.total_bytes);
         assert_eq!(layout.block_tables.len, 7 * 13);
         assert_eq!(layout.query_start.len, 8);
+        assert_eq!(layout.sampling.len, 7);
+        assert_eq!(layout.sampling.byte_len(), 7 * 56);
         assert_eq!(layout.top_logprob_ids.len, 7 * MAX_TOP_LOGPROBS);
+        assert_eq!(layout.arrays().len(), StepLayout::ARRAY_COUNT);
+        assert_eq!(layout.arrays()[0].name, "input_ids");
     }
 }

@@ -5,7 +5,8 @@
 //! - [`attach`]: the two JSON lines a worker started elsewhere exchanges with the scheduler
 //!   over the attach socket before the usual handshake.
 //! - [`layout`]: the `#[repr(C)]` shared-memory step buffer that carries the bulk tensors of an
-//!   iteration (token ids, positions, slot mapping, block tables, sampled tokens, logprobs).
+//!   iteration (token ids, positions, slot mapping, block tables, sampling parameters, sampled
+//!   tokens, logprobs), each array described once with its element type.
 //! - [`step_buffer`]: a mapped step buffer, created by the scheduler and opened by the worker.
 
 pub mod attach;
@@ -13,7 +14,7 @@ pub mod layout;
 pub mod messages;
 pub mod step_buffer;
 
-pub use layout::{StepCapacity, StepHeader, StepLayout};
+pub use layout::{ArraySpan, SeqSampling, StepCapacity, StepElement, StepHeader, StepLayout};
 
 /// The model architectures a worker can run (GGUF `general.architecture`, Hugging Face
 /// `model_type`), so the scheduler can refuse another model at start instead of restarting

@@ -8,7 +8,7 @@
 use shared_memory::{Shmem, ShmemConf, ShmemError};
 use thiserror::Error;
 
-use crate::layout::{ArraySpan, StepCapacity, StepHeader, StepLayout, STEP_LAYOUT_VERSION, STEP_MAGIC};
+use crate::layout::{ArraySpan, StepCapacity, StepElement, StepHeader, StepLayout, STEP_LAYOUT_VERSION, STEP_MAGIC};
 
 #[derive(Debug, Error)]
 pub enum StepBufferError {
@@ -121,32 +121,22 @@ impl StepBuffer {
         unsafe { &mut *(self.shmem.as_ptr() as *mut StepHeader) }
     }
 
-    pub fn i64_array_mut(&mut self, span: ArraySpan) -> &mut [i64] {
-        self.array_mut(span)
-    }
-
-    pub fn f32_array_mut(&mut self, span: ArraySpan) -> &mut [f32] {
-        self.array_mut(span)
-    }
-
-    pub fn i64_array(&self, span: ArraySpan) -> &[i64] {
-        self.array(span)
-    }
-
-    pub fn f32_array(&self, span: ArraySpan) -> &[f32] {
-        self.array(span)
-    }
-
-    fn array<T: Copy>(&self, span: ArraySpan) -> &[T] {
-        assert!(span.offset + span.len * std::mem::size_of::<T>() <= self.layout.total_bytes);
-        // SAFETY: the span lies inside the mapping (checked above), is 64-byte aligned, and the
-        // element types used here (i64, f32) are valid for every bit pattern.
+    /// The array `span` describes, as its element type.
+    pub fn array<T: StepElement>(&self, span: ArraySpan<T>) -> &[T] {
+        assert!(span.offset + span.byte_len() <= self.layout.total_bytes);
+        // SAFETY: the span lies inside the mapping (checked above; the mapping is at least
+        // `total_bytes` long) at a multiple of 64 bytes from its page-aligned start, so it is
+        // aligned for `T` (a `StepElement` is aligned to at most 64). `T: StepElement` is valid for
+        // every bit pattern, so whatever the other process wrote is a value. The step protocol
+        // (module docs) keeps the other process off the buffer while this borrow lives.
         unsafe { std::slice::from_raw_parts(self.shmem.as_ptr().add(span.offset) as *const T, span.len) }
     }
 
-    fn array_mut<T: Copy>(&mut self, span: ArraySpan) -> &mut [T] {
-        assert!(span.offset + span.len * std::mem::size_of::<T>() <= self.layout.total_bytes);
-        // SAFETY: as in `array`; `&mut self` gives exclusive access within this process.
+    /// The array `span` describes, writable.
+    pub fn array_mut<T: StepElement>(&mut self, span: ArraySpan<T>) -> &mut [T] {
+        assert!(span.offset + span.byte_len() <= self.layout.total_bytes);
+        // SAFETY: as in `array`; `&mut self` gives exclusive access within this process, and a
+        // `StepElement` has no padding, so every byte the other process reads back is defined.
         unsafe { std::slice::from_raw_parts_mut(self.shmem.as_ptr().add(span.offset) as *mut T, span.len) }
     }
 }
@@ -161,6 +151,7 @@ fn check_capacity(what: &'static str, value: usize, capacity: usize) -> Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::SeqSampling;
 
     #[test]
     fn a_second_mapping_sees_the_first_ones_writes() {
@@ -174,13 +165,23 @@ mod tests {
         let layout = *owner.layout();
         owner.header_mut().step = 7;
         owner.header_mut().num_tokens = 3;
-        owner.i64_array_mut(layout.input_ids)[..3].copy_from_slice(&[11, 22, 33]);
+        owner.array_mut(layout.input_ids)[..3].copy_from_slice(&[11, 22, 33]);
+        owner.array_mut(layout.sampling)[1] = SeqSampling {
+            temperature: 0.5,
+            seed: -3,
+            num_top_logprobs: 2,
+            ..SeqSampling::default()
+        };
 
         let mut peer = StepBuffer::open(owner.os_id(), capacity).expect("open");
         assert_eq!(peer.header_for_step(7).expect("header").num_tokens, 3);
-        assert_eq!(&peer.i64_array(layout.input_ids)[..3], &[11, 22, 33]);
-        peer.i64_array_mut(layout.sampled_tokens)[0] = 99;
-        assert_eq!(owner.i64_array(layout.sampled_tokens)[0], 99);
+        assert_eq!(&peer.array(layout.input_ids)[..3], &[11, 22, 33]);
+        let row = peer.array(layout.sampling)[1];
+        assert_eq!((row.temperature, row.seed, row.num_top_logprobs), (0.5, -3, 2));
+        peer.array_mut(layout.sampled_tokens)[0] = 99;
+        peer.array_mut(layout.sampled_logprobs)[0] = -0.25;
+        assert_eq!(owner.array(layout.sampled_tokens)[0], 99);
+        assert_eq!(owner.array(layout.sampled_logprobs)[0], -0.25);
         assert!(matches!(
             peer.header_for_step(8),
             Err(StepBufferError::StepMismatch { .. })

@@ -1,9 +1,9 @@
 //! Writes a planned step into the shared-memory step buffer (the worker's inputs), array by array,
-//! straight into the mapping: nothing is allocated per iteration.
+//! straight into the mapping: nothing is allocated per iteration. The only writer of the step's
+//! inputs; the arrays and the sampling row are described in `rivulet_ipc::layout`.
 
-use rivulet_ipc::StepBuffer;
+use rivulet_ipc::{SeqSampling, StepBuffer};
 
-use crate::request::SamplingParams;
 use crate::scheduler::{ScheduledSeq, StepPlan};
 use crate::sequence::Sequence;
 
@@ -19,7 +19,7 @@ pub fn write_step(buffer: &mut StepBuffer, step: u64, plan: &StepPlan, running: 
         header.num_tokens = plan.num_tokens as u32;
         header.num_seqs = plan.seqs.len() as u32;
     }
-    let input_ids = buffer.i64_array_mut(layout.input_ids);
+    let input_ids = buffer.array_mut(layout.input_ids);
     let mut t = 0;
     for (s, seq) in scheduled() {
         for &token in &seq.tokens[seq.num_computed..seq.num_computed + s.num_tokens] {
@@ -27,7 +27,7 @@ pub fn write_step(buffer: &mut StepBuffer, step: u64, plan: &StepPlan, running: 
             t += 1;
         }
     }
-    let positions = buffer.i64_array_mut(layout.positions);
+    let positions = buffer.array_mut(layout.positions);
     let mut t = 0;
     for (s, seq) in scheduled() {
         for position in seq.num_computed..seq.num_computed + s.num_tokens {
@@ -35,7 +35,7 @@ pub fn write_step(buffer: &mut StepBuffer, step: u64, plan: &StepPlan, running: 
             t += 1;
         }
     }
-    let slots = buffer.i64_array_mut(layout.slot_mapping);
+    let slots = buffer.array_mut(layout.slot_mapping);
     let mut t = 0;
     for (s, seq) in scheduled() {
         for position in seq.num_computed..seq.num_computed + s.num_tokens {
@@ -43,23 +43,27 @@ pub fn write_step(buffer: &mut StepBuffer, step: u64, plan: &StepPlan, running: 
             t += 1;
         }
     }
-    let query_start = buffer.i64_array_mut(layout.query_start);
+    let query_start = buffer.array_mut(layout.query_start);
     let mut start = 0;
     for (i, (s, _)) in scheduled().enumerate() {
         query_start[i] = start;
         start += s.num_tokens as i64;
     }
     query_start[plan.seqs.len()] = start;
-    let context_lens = buffer.i64_array_mut(layout.context_lens);
+    let context_lens = buffer.array_mut(layout.context_lens);
     for (i, (s, seq)) in scheduled().enumerate() {
         context_lens[i] = (seq.num_computed + s.num_tokens) as i64;
     }
-    let sample = buffer.i64_array_mut(layout.sample);
+    let sample = buffer.array_mut(layout.sample);
     for (i, (s, _)) in scheduled().enumerate() {
         sample[i] = i64::from(s.sample);
     }
-    write_sampling(buffer, plan, running);
-    let tables = buffer.i64_array_mut(layout.block_tables);
+    let sampling = buffer.array_mut(layout.sampling);
+    for (i, (_, seq)) in scheduled().enumerate() {
+        sampling[i] = sampling_row(seq);
+    }
+    write_penalty_histories(buffer, plan, running);
+    let tables = buffer.array_mut(layout.block_tables);
     for (i, (_, seq)) in scheduled().enumerate() {
         let row = &mut tables[i * max_blocks..(i + 1) * max_blocks];
         for (entry, &block) in row.iter_mut().zip(&seq.blocks) {
@@ -69,42 +73,32 @@ pub fn write_step(buffer: &mut StepBuffer, step: u64, plan: &StepPlan, running: 
     }
 }
 
-/// Per-sequence sampling parameters and, for sequences with penalties that sample this step, their
-/// token history (prompt, then generated tokens).
-fn write_sampling(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Sequence]) {
-    let layout = *buffer.layout();
-    let scheduled = || plan.seqs.iter().map(|s| (s, &running[s.running_index]));
-    let mut per_seq_f32 = |span, value: fn(&SamplingParams) -> f32| {
-        let array = buffer.f32_array_mut(span);
-        for (i, (_, seq)) in scheduled().enumerate() {
-            array[i] = value(&seq.request.sampling);
-        }
-    };
-    per_seq_f32(layout.temperature, |p| p.temperature);
-    per_seq_f32(layout.top_p, |p| p.top_p);
-    per_seq_f32(layout.min_p, |p| p.min_p);
-    per_seq_f32(layout.repetition_penalty, |p| p.repetition_penalty);
-    per_seq_f32(layout.frequency_penalty, |p| p.frequency_penalty);
-    per_seq_f32(layout.presence_penalty, |p| p.presence_penalty);
-    let mut per_seq_i64 = |span, value: &dyn Fn(&Sequence) -> i64| {
-        let array = buffer.i64_array_mut(span);
-        for (i, (_, seq)) in scheduled().enumerate() {
-            array[i] = value(seq);
-        }
-    };
-    per_seq_i64(layout.top_k, &|seq| i64::from(seq.request.sampling.top_k));
-    // The seed's bits as i64: the worker's generator works on wrapping 64-bit integers.
-    per_seq_i64(layout.seed, &|seq| seq.request.sampling.seed as i64);
-    per_seq_i64(layout.draw_index, &|seq| seq.num_generated() as i64);
-    per_seq_i64(layout.num_top_logprobs, &|seq| {
-        let sampling = &seq.request.sampling;
-        if sampling.wants_logprobs() {
-            i64::from(sampling.top_logprobs)
+/// A sequence's row of sampling parameters: its request's, and its progress for `draw_index`.
+fn sampling_row(seq: &Sequence) -> SeqSampling {
+    let params = &seq.request.sampling;
+    SeqSampling {
+        temperature: params.temperature,
+        top_p: params.top_p,
+        min_p: params.min_p,
+        repetition_penalty: params.repetition_penalty,
+        frequency_penalty: params.frequency_penalty,
+        presence_penalty: params.presence_penalty,
+        top_k: i64::from(params.top_k),
+        seed: params.seed as i64,
+        draw_index: seq.num_generated() as i64,
+        num_top_logprobs: if params.wants_logprobs() {
+            i64::from(params.top_logprobs)
         } else {
             0
-        }
-    });
+        },
+    }
+}
 
+/// For sequences with penalties that sample this step, their token history (prompt, then
+/// generated tokens).
+fn write_penalty_histories(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Sequence]) {
+    let layout = *buffer.layout();
+    let scheduled = || plan.seqs.iter().map(|s| (s, &running[s.running_index]));
     let needs_history = |s: &ScheduledSeq, seq: &Sequence| s.sample && seq.request.sampling.has_penalties();
     let capacity = layout.history_tokens.len;
     let mut start = 0usize;
@@ -112,7 +106,7 @@ fn write_sampling(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Sequence]
     for (s, seq) in scheduled() {
         starts.push(start as i64);
         if needs_history(s, seq) && start + seq.tokens.len() <= capacity {
-            let history = &mut buffer.i64_array_mut(layout.history_tokens)[start..start + seq.tokens.len()];
+            let history = &mut buffer.array_mut(layout.history_tokens)[start..start + seq.tokens.len()];
             for (slot, &token) in history.iter_mut().zip(&seq.tokens) {
                 *slot = i64::from(token);
             }
@@ -120,8 +114,8 @@ fn write_sampling(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Sequence]
         }
     }
     starts.push(start as i64);
-    buffer.i64_array_mut(layout.history_start)[..starts.len()].copy_from_slice(&starts);
-    let prompt_lens = buffer.i64_array_mut(layout.history_prompt_len);
+    buffer.array_mut(layout.history_start)[..starts.len()].copy_from_slice(&starts);
+    let prompt_lens = buffer.array_mut(layout.history_prompt_len);
     for (i, (s, seq)) in scheduled().enumerate() {
         let has_range = starts[i + 1] > starts[i];
         prompt_lens[i] = if needs_history(s, seq) && has_range {

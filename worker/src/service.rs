@@ -247,11 +247,11 @@ impl Worker {
                 let (tokens, seqs) = (header.num_tokens as usize, header.num_seqs as usize);
                 let max_blocks = layout.capacity.max_blocks_per_seq as usize;
                 let step = CpuStep {
-                    input_ids: &buffer.i64_array(layout.input_ids)[..tokens],
-                    positions: &buffer.i64_array(layout.positions)[..tokens],
-                    slot_mapping: &buffer.i64_array(layout.slot_mapping)[..tokens],
+                    input_ids: &buffer.array(layout.input_ids)[..tokens],
+                    positions: &buffer.array(layout.positions)[..tokens],
+                    slot_mapping: &buffer.array(layout.slot_mapping)[..tokens],
                     seqs: &host.seqs,
-                    block_tables: &buffer.i64_array(layout.block_tables)[..seqs * max_blocks],
+                    block_tables: &buffer.array(layout.block_tables)[..seqs * max_blocks],
                     max_blocks,
                     logit_rows: &logit_rows,
                 };

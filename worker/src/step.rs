@@ -3,7 +3,8 @@
 //! it, and the outputs written back.
 
 use rivulet_ipc::layout::MAX_TOP_LOGPROBS;
-use rivulet_ipc::{StepBuffer, StepHeader};
+use rivulet_ipc::{SeqSampling, StepBuffer, StepHeader};
+use tch::kind::Element;
 use tch::{Device, Kind, Tensor};
 
 use crate::attention::SeqSlice;
@@ -36,8 +37,8 @@ fn invalid<T>(what: String) -> Result<T, WorkerError> {
     Err(WorkerError::InvalidStep(what))
 }
 
-fn check_range(what: &str, values: &[i64], end: i64) -> Result<(), WorkerError> {
-    match values.iter().find(|&&v| v < 0 || v >= end) {
+fn check_range<'v>(what: &str, values: impl IntoIterator<Item = &'v i64>, end: i64) -> Result<(), WorkerError> {
+    match values.into_iter().find(|&&v| v < 0 || v >= end) {
         Some(bad) => invalid(format!("{what} holds {bad}, outside 0..{end}")),
         None => Ok(()),
     }
@@ -56,10 +57,10 @@ pub fn validate(buffer: &StepBuffer, header: &StepHeader, limits: StepLimits) ->
     if tokens == 0 || seqs == 0 {
         return invalid(format!("empty step ({tokens} tokens, {seqs} sequences)"));
     }
-    let query_start = &buffer.i64_array(layout.query_start)[..=seqs];
-    let context_lens = &buffer.i64_array(layout.context_lens)[..seqs];
-    let sample_flags = &buffer.i64_array(layout.sample)[..seqs];
-    let block_tables = buffer.i64_array(layout.block_tables);
+    let query_start = &buffer.array(layout.query_start)[..=seqs];
+    let context_lens = &buffer.array(layout.context_lens)[..seqs];
+    let sample_flags = &buffer.array(layout.sample)[..seqs];
+    let block_tables = buffer.array(layout.block_tables);
     let max_blocks = layout.capacity.max_blocks_per_seq as usize;
     if query_start[0] != 0 || query_start[seqs] != tokens as i64 {
         return invalid(format!("query_start must run from 0 to {tokens}"));
@@ -93,23 +94,19 @@ pub fn validate(buffer: &StepBuffer, header: &StepHeader, limits: StepLimits) ->
     }
     check_range(
         "input_ids",
-        &buffer.i64_array(layout.input_ids)[..tokens],
+        &buffer.array(layout.input_ids)[..tokens],
         limits.vocab_size,
     )?;
     check_range(
         "positions",
-        &buffer.i64_array(layout.positions)[..tokens],
+        &buffer.array(layout.positions)[..tokens],
         limits.max_model_len,
     )?;
     let num_slots = limits.num_blocks * limits.block_size;
-    check_range(
-        "slot_mapping",
-        &buffer.i64_array(layout.slot_mapping)[..tokens],
-        num_slots,
-    )?;
+    check_range("slot_mapping", &buffer.array(layout.slot_mapping)[..tokens], num_slots)?;
 
-    let history_start = &buffer.i64_array(layout.history_start)[..=seqs];
-    let history_prompt = &buffer.i64_array(layout.history_prompt_len)[..seqs];
+    let history_start = &buffer.array(layout.history_start)[..=seqs];
+    let history_prompt = &buffer.array(layout.history_prompt_len)[..seqs];
     let capacity = layout.capacity.max_history_tokens as i64;
     if history_start[0] != 0 || history_start[seqs] > capacity {
         return invalid(format!("history_start must run from 0 to at most {capacity}"));
@@ -123,15 +120,20 @@ pub fn validate(buffer: &StepBuffer, header: &StepHeader, limits: StepLimits) ->
     host.history_len = history_start[seqs] as usize;
     check_range(
         "history_tokens",
-        &buffer.i64_array(layout.history_tokens)[..host.history_len],
+        &buffer.array(layout.history_tokens)[..host.history_len],
         limits.vocab_size,
     )?;
-    let top = &buffer.i64_array(layout.num_top_logprobs)[..seqs];
-    check_range("num_top_logprobs", top, MAX_TOP_LOGPROBS as i64 + 1)?;
+    let sampling = &buffer.array(layout.sampling)[..seqs];
+    check_range(
+        "num_top_logprobs",
+        sampling.iter().map(|row| &row.num_top_logprobs),
+        MAX_TOP_LOGPROBS as i64 + 1,
+    )?;
     Ok(host)
 }
 
-/// The sampled rows' parameters and penalty histories, on `device`.
+/// The sampled sequences' parameters (from their rows of the `sampling` array) and penalty
+/// histories, on `device`.
 pub fn sampling_batch(
     buffer: &StepBuffer,
     view: &StepView<'_>,
@@ -139,23 +141,17 @@ pub fn sampling_batch(
     device: Device,
 ) -> Result<SamplingBatch, WorkerError> {
     let layout = buffer.layout();
-    let index = Tensor::f_from_slice(&host.sampled_seqs)?;
-    let pick = |t: &Tensor| -> Result<Tensor, WorkerError> { Ok(t.f_index_select(0, &index)?.f_to_device(device)?) };
-    let chosen = |span| -> Vec<f32> {
-        let values = buffer.f32_array(span);
-        host.sampled_seqs.iter().map(|&i| values[i as usize]).collect()
-    };
-    let top_k = buffer.i64_array(layout.top_k);
-    let top_logprobs = buffer.i64_array(layout.num_top_logprobs);
+    let all_rows = buffer.array(layout.sampling);
+    let rows: Vec<SeqSampling> = host.sampled_seqs.iter().map(|&i| all_rows[i as usize]).collect();
 
-    let history_start = buffer.i64_array(layout.history_start);
-    let history_prompt = buffer.i64_array(layout.history_prompt_len);
-    let (mut rows, mut generated, mut pieces) = (Vec::new(), Vec::new(), Vec::new());
+    let history_start = buffer.array(layout.history_start);
+    let history_prompt = buffer.array(layout.history_prompt_len);
+    let (mut history_rows, mut generated, mut pieces) = (Vec::new(), Vec::new(), Vec::new());
     for (row, &seq) in host.sampled_seqs.iter().enumerate() {
         let (start, end) = (history_start[seq as usize], history_start[seq as usize + 1]);
         if end > start {
             let prompt_end = start + history_prompt[seq as usize];
-            rows.extend(std::iter::repeat_n(row as i64, (end - start) as usize));
+            history_rows.extend(std::iter::repeat_n(row as i64, (end - start) as usize));
             generated.extend((start..end).map(|position| position >= prompt_end));
             pieces.push(view.history_tokens.f_narrow(0, start, end - start)?);
         }
@@ -164,33 +160,38 @@ pub fn sampling_batch(
         None
     } else {
         Some(PenaltyHistory {
-            rows: Tensor::f_from_slice(&rows)?.f_to_device(device)?,
+            rows: Tensor::f_from_slice(&history_rows)?.f_to_device(device)?,
             tokens: Tensor::f_cat(&pieces, 0)?.f_to_device(device)?,
             generated: Tensor::f_from_slice(&generated)?.f_to_device(device)?,
         })
     };
     Ok(SamplingBatch {
-        any_random: chosen(layout.temperature).iter().any(|&t| t > 0.0),
-        any_top_k: host.sampled_seqs.iter().any(|&i| top_k[i as usize] > 0),
-        any_top_p: chosen(layout.top_p).iter().any(|&p| p < 1.0),
-        any_min_p: chosen(layout.min_p).iter().any(|&p| p > 0.0),
-        top_logprobs: host
-            .sampled_seqs
-            .iter()
-            .map(|&i| top_logprobs[i as usize])
-            .max()
-            .unwrap_or(0),
-        temperature: pick(&view.temperature)?,
-        top_k: pick(&view.top_k)?,
-        top_p: pick(&view.top_p)?,
-        min_p: pick(&view.min_p)?,
-        repetition_penalty: pick(&view.repetition_penalty)?,
-        frequency_penalty: pick(&view.frequency_penalty)?,
-        presence_penalty: pick(&view.presence_penalty)?,
-        seed: pick(&view.seed)?,
-        draw_index: pick(&view.draw_index)?,
+        any_random: rows.iter().any(|row| row.temperature > 0.0),
+        any_top_k: rows.iter().any(|row| row.top_k > 0),
+        any_top_p: rows.iter().any(|row| row.top_p < 1.0),
+        any_min_p: rows.iter().any(|row| row.min_p > 0.0),
+        top_logprobs: rows.iter().map(|row| row.num_top_logprobs).max().unwrap_or(0),
+        temperature: column(&rows, |row| row.temperature, device)?,
+        top_k: column(&rows, |row| row.top_k, device)?,
+        top_p: column(&rows, |row| row.top_p, device)?,
+        min_p: column(&rows, |row| row.min_p, device)?,
+        repetition_penalty: column(&rows, |row| row.repetition_penalty, device)?,
+        frequency_penalty: column(&rows, |row| row.frequency_penalty, device)?,
+        presence_penalty: column(&rows, |row| row.presence_penalty, device)?,
+        seed: column(&rows, |row| row.seed, device)?,
+        draw_index: column(&rows, |row| row.draw_index, device)?,
         history,
     })
+}
+
+/// One parameter of every row, `[rows]` on `device`.
+fn column<T: Element>(
+    rows: &[SeqSampling],
+    field: impl Fn(&SeqSampling) -> T,
+    device: Device,
+) -> Result<Tensor, WorkerError> {
+    let values: Vec<T> = rows.iter().map(field).collect();
+    Ok(Tensor::f_from_slice(&values)?.f_to_device(device)?)
 }
 
 /// Writes the sampled tokens, their logprobs and the alternatives into the step buffer.

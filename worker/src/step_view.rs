@@ -7,10 +7,13 @@
 
 use std::marker::PhantomData;
 
-use rivulet_ipc::layout::{ArraySpan, MAX_TOP_LOGPROBS};
+use rivulet_ipc::layout::{ArraySpan, StepElement, MAX_TOP_LOGPROBS};
 use rivulet_ipc::{StepBuffer, StepHeader};
-use tch::{Device, Kind, TchError, Tensor};
+use tch::kind::Element;
+use tch::{Device, TchError, Tensor};
 
+/// The arrays the step runs on as tensors; the sampling parameters are read as rows instead
+/// (`step::sampling_batch`), since only the sampled sequences' are needed.
 pub struct StepView<'a> {
     /// `[num_tokens]` i64.
     pub input_ids: Tensor,
@@ -18,16 +21,6 @@ pub struct StepView<'a> {
     pub slot_mapping: Tensor,
     /// `[num_seqs, max_blocks_per_seq]` i64.
     pub block_tables: Tensor,
-    /// Sampling parameters, `[num_seqs]` each.
-    pub temperature: Tensor,
-    pub top_k: Tensor,
-    pub top_p: Tensor,
-    pub min_p: Tensor,
-    pub repetition_penalty: Tensor,
-    pub frequency_penalty: Tensor,
-    pub presence_penalty: Tensor,
-    pub seed: Tensor,
-    pub draw_index: Tensor,
     /// `[num_history_tokens]` i64: every sequence's penalty history, back to back.
     pub history_tokens: Tensor,
     /// Outputs, `[num_seqs]`: i64 tokens and f32 logprobs; `[num_seqs, MAX_TOP_LOGPROBS]` alternatives.
@@ -47,32 +40,23 @@ impl<'a> StepView<'a> {
         let blocks = layout.capacity.max_blocks_per_seq as i64;
         let top = MAX_TOP_LOGPROBS as i64;
         let base = buffer.base_ptr();
-        let per_seq = |span, kind| wrap(base, span, &[seqs], kind);
         Ok(Self {
-            input_ids: wrap(base, layout.input_ids, &[tokens], Kind::Int64)?,
-            positions: wrap(base, layout.positions, &[tokens], Kind::Int64)?,
-            slot_mapping: wrap(base, layout.slot_mapping, &[tokens], Kind::Int64)?,
-            block_tables: wrap(base, layout.block_tables, &[seqs, blocks], Kind::Int64)?,
-            temperature: per_seq(layout.temperature, Kind::Float)?,
-            top_k: per_seq(layout.top_k, Kind::Int64)?,
-            top_p: per_seq(layout.top_p, Kind::Float)?,
-            min_p: per_seq(layout.min_p, Kind::Float)?,
-            repetition_penalty: per_seq(layout.repetition_penalty, Kind::Float)?,
-            frequency_penalty: per_seq(layout.frequency_penalty, Kind::Float)?,
-            presence_penalty: per_seq(layout.presence_penalty, Kind::Float)?,
-            seed: per_seq(layout.seed, Kind::Int64)?,
-            draw_index: per_seq(layout.draw_index, Kind::Int64)?,
-            history_tokens: wrap(base, layout.history_tokens, &[history_len as i64], Kind::Int64)?,
-            sampled_tokens: per_seq(layout.sampled_tokens, Kind::Int64)?,
-            sampled_logprobs: per_seq(layout.sampled_logprobs, Kind::Float)?,
-            top_logprob_ids: wrap(base, layout.top_logprob_ids, &[seqs, top], Kind::Int64)?,
-            top_logprob_values: wrap(base, layout.top_logprob_values, &[seqs, top], Kind::Float)?,
+            input_ids: wrap(base, layout.input_ids, &[tokens])?,
+            positions: wrap(base, layout.positions, &[tokens])?,
+            slot_mapping: wrap(base, layout.slot_mapping, &[tokens])?,
+            block_tables: wrap(base, layout.block_tables, &[seqs, blocks])?,
+            history_tokens: wrap(base, layout.history_tokens, &[history_len as i64])?,
+            sampled_tokens: wrap(base, layout.sampled_tokens, &[seqs])?,
+            sampled_logprobs: wrap(base, layout.sampled_logprobs, &[seqs])?,
+            top_logprob_ids: wrap(base, layout.top_logprob_ids, &[seqs, top])?,
+            top_logprob_values: wrap(base, layout.top_logprob_values, &[seqs, top])?,
             _buffer: PhantomData,
         })
     }
 }
 
-fn wrap(base: *mut u8, span: ArraySpan, shape: &[i64], kind: Kind) -> Result<Tensor, TchError> {
+/// The array `span` describes as a contiguous tensor of `shape`, its kind from the element type.
+fn wrap<T: StepElement + Element>(base: *mut u8, span: ArraySpan<T>, shape: &[i64]) -> Result<Tensor, TchError> {
     let elements: i64 = shape.iter().product();
     if elements < 0 || elements as usize > span.len {
         return Err(TchError::Shape(format!(
@@ -86,9 +70,9 @@ fn wrap(base: *mut u8, span: ArraySpan, shape: &[i64], kind: Kind) -> Result<Ten
     }
     // SAFETY: `span` lies inside the mapping (the layout was built for this buffer's capacity and
     // `elements <= span.len` was checked above); the mapping outlives the tensor by the borrow on
-    // `StepView`; i64/f32 are valid for every bit pattern; access is exclusive during the
-    // worker's turn (module docs).
-    unsafe { Tensor::f_from_blob(base.add(span.offset), shape, &strides, kind, Device::Cpu) }
+    // `StepView`; `T` is a `StepElement` (valid for every bit pattern, aligned by the layout) and
+    // its tensor kind is `T::KIND`; access is exclusive during the worker's turn (module docs).
+    unsafe { Tensor::f_from_blob(base.add(span.offset), shape, &strides, T::KIND, Device::Cpu) }
 }
 
 #[cfg(test)]
@@ -112,7 +96,7 @@ mod tests {
         scheduler_side.header_mut().step = 1;
         scheduler_side.header_mut().num_tokens = 3;
         scheduler_side.header_mut().num_seqs = 2;
-        scheduler_side.i64_array_mut(layout.input_ids)[..3].copy_from_slice(&[5, 6, 7]);
+        scheduler_side.array_mut(layout.input_ids)[..3].copy_from_slice(&[5, 6, 7]);
 
         let worker_side = StepBuffer::open(scheduler_side.os_id(), capacity).expect("open");
         let header = worker_side.header_for_step(1).expect("header");
@@ -123,11 +107,11 @@ mod tests {
         assert_eq!(Vec::<i64>::try_from(&view.input_ids).expect("read"), vec![5, 6, 7]);
 
         // A later scheduler write is visible through the existing tensor: nothing was copied.
-        scheduler_side.i64_array_mut(layout.input_ids)[1] = 60;
+        scheduler_side.array_mut(layout.input_ids)[1] = 60;
         assert_eq!(view.input_ids.int64_value(&[1]), 60);
 
         // The worker's output writes land in the scheduler's mapping.
         view.sampled_tokens.copy_(&Tensor::from_slice(&[42i64, 43]));
-        assert_eq!(&scheduler_side.i64_array(layout.sampled_tokens)[..2], &[42, 43]);
+        assert_eq!(&scheduler_side.array(layout.sampled_tokens)[..2], &[42, 43]);
     }
 }

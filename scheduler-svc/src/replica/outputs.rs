@@ -27,8 +27,8 @@ pub fn apply_outputs(
     buffer: &StepBuffer,
     context: &OutputContext<'_>,
 ) -> u64 {
-    let sampled = buffer.i64_array(buffer.layout().sampled_tokens);
-    let sampled_logprobs = buffer.f32_array(buffer.layout().sampled_logprobs);
+    let sampled = buffer.array(buffer.layout().sampled_tokens);
+    let sampled_logprobs = buffer.array(buffer.layout().sampled_logprobs);
     let limits = completion::Limits {
         eos_token_ids: context.eos_token_ids,
         max_model_len: context.max_model_len,
@@ -97,8 +97,8 @@ fn read_logprobs(buffer: &StepBuffer, slot: usize, token: u32, sampling: &Sampli
     let layout = buffer.layout();
     let row = slot * MAX_TOP_LOGPROBS;
     let count = sampling.top_logprobs as usize;
-    let ids = &buffer.i64_array(layout.top_logprob_ids)[row..row + count];
-    let values = &buffer.f32_array(layout.top_logprob_values)[row..row + count];
+    let ids = &buffer.array(layout.top_logprob_ids)[row..row + count];
+    let values = &buffer.array(layout.top_logprob_values)[row..row + count];
     let top = ids
         .iter()
         .zip(values)
@@ -106,7 +106,7 @@ fn read_logprobs(buffer: &StepBuffer, slot: usize, token: u32, sampling: &Sampli
         .collect();
     vec![TokenLogprob {
         token_id: token,
-        logprob: buffer.f32_array(layout.sampled_logprobs)[slot],
+        logprob: buffer.array(layout.sampled_logprobs)[slot],
         top,
     }]
 }
