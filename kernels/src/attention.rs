@@ -123,7 +123,9 @@ fn attend_group(
         let slots = base..base + shape.block_size.min(visible - first);
         offsets.extend(slots.map(|slot| slot * shape.kv_width() + head_at));
     }
-    debug_assert_eq!(offsets.len(), visible, "the caller checked the table covers every key");
+    // The caller checked that the table covers every visible key; were it short, the missing
+    // keys would silently drop out of the softmax, so this stays a check in release builds.
+    assert_eq!(offsets.len(), visible, "block table shorter than the visible keys");
     // `[visible][group]`: one key's scores for the whole group side by side.
     scores.clear();
     scores.resize(visible * group, 0.0);

@@ -191,7 +191,7 @@ impl WeightMatrix {
                 Path::Packed => SCRATCH.with_borrow_mut(|scratch| {
                     for panel in (first..last).step_by(simd::PANEL) {
                         let rows = simd::PANEL.min(last - panel);
-                        self.panel_product(panel, rows, x, batch, scratch);
+                        self.panel_product(panel, rows, last, x, batch, scratch);
                         output.store_rows(first_column + panel, rows, &scratch.sums, simd::PANEL);
                     }
                 }),
@@ -209,8 +209,17 @@ impl WeightMatrix {
     }
 
     /// Fills `scratch.sums` (`[batch][PANEL]`) with rows `first..first + rows` (at most
-    /// `PANEL`) times `x`, one column tile of `PACKED_TILE` at a time.
-    fn panel_product(&self, first: usize, rows: usize, x: &[f32], batch: usize, scratch: &mut Scratch) {
+    /// `PANEL`) times `x`, one column tile of `PACKED_TILE` at a time. `task_end` ends the
+    /// calling task's rows: the next panel is prefetched only if it is the task's own.
+    fn panel_product(
+        &self,
+        first: usize,
+        rows: usize,
+        task_end: usize,
+        x: &[f32],
+        batch: usize,
+        scratch: &mut Scratch,
+    ) {
         let Scratch {
             tile,
             sums,
@@ -222,7 +231,7 @@ impl WeightMatrix {
         tile.resize(simd::PANEL * PACKED_TILE, 0.0);
         packed.resize(PACKED_TILE * simd::PANEL, 0.0);
         let mut start = 0;
-        let next_panel = first + simd::PANEL..(first + 2 * simd::PANEL).min(self.rows);
+        let next_panel = first + simd::PANEL..(first + 2 * simd::PANEL).min(task_end);
         while start < self.cols {
             let len = PACKED_TILE.min(self.cols - start);
             // The next panel's bytes for this tile, on their way while this one computes: 16 rows

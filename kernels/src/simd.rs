@@ -41,6 +41,21 @@ pub fn has_avx2() -> bool {
     })
 }
 
+/// Whether `needed` (a length computed with checked arithmetic) exists and is at most `len`: the
+/// bounds asserts below use it so that no overflowing product can let one pass by wrapping.
+fn fits(len: usize, needed: Option<usize>) -> bool {
+    needed.is_some_and(|needed| needed <= len)
+}
+
+/// `(count - 1) · stride + last`: the length a slice needs for `count` runs of `last` values
+/// `stride` apart (0 for no runs); `None` on overflow.
+fn strided_len(count: usize, stride: usize, last: usize) -> Option<usize> {
+    match count {
+        0 => Some(0),
+        _ => (count - 1).checked_mul(stride)?.checked_add(last),
+    }
+}
+
 /// Formats the AVX2 decoder handles; the others go through the portable decoder.
 pub fn avx2_decodes(format: GgmlType) -> bool {
     matches!(
@@ -160,11 +175,12 @@ pub fn gemv_rows_avx2(
     out: &mut [f32],
 ) {
     assert!(has_avx2() && gemv_decodes(format));
-    assert!(cols.is_multiple_of(32) && (1..=GEMV_MAX_BATCH).contains(&batch) && out.len() >= rows * batch);
+    assert!(cols.is_multiple_of(32) && (1..=GEMV_MAX_BATCH).contains(&batch));
+    assert!(fits(out.len(), rows.checked_mul(batch)));
     let (block_elems, block_bytes) = format.block_layout();
-    assert!(row_bytes >= cols / block_elems as usize * block_bytes as usize);
-    assert!(rows == 0 || data.len() >= (rows - 1) * row_bytes + cols / block_elems as usize * block_bytes as usize);
-    assert!(cols <= x_stride && x.len() >= (batch - 1) * x_stride + cols);
+    let row_len = cols / block_elems as usize * block_bytes as usize;
+    assert!(row_bytes >= row_len && fits(data.len(), strided_len(rows, row_bytes, row_len)));
+    assert!(cols <= x_stride && fits(x.len(), strided_len(batch, x_stride, cols)));
     #[cfg(target_arch = "x86_64")]
     // SAFETY: AVX2 present; `data` holds every row's blocks, `x` every activation row read,
     // `out` every result written (asserted above).
@@ -358,8 +374,8 @@ pub const PANEL: usize = 16;
 /// 16 weights per column `k`.
 pub fn pack_panel_avx2(rows: &[f32], stride: usize, len: usize, packed: &mut [f32]) {
     assert!(has_avx2());
-    assert!(len <= stride && rows.len() >= (PANEL - 1) * stride + len);
-    assert!(packed.len() >= len * PANEL);
+    assert!(len <= stride && fits(rows.len(), strided_len(PANEL, stride, len)));
+    assert!(fits(packed.len(), len.checked_mul(PANEL)));
     let vector_len = len / 8 * 8;
     #[cfg(target_arch = "x86_64")]
     // SAFETY: AVX2 present; every 8×8 block read lies in `rows` (k + 8 <= len <= stride) and
@@ -426,8 +442,8 @@ unsafe fn transpose_8x8(src: *const f32, src_stride: usize, dst: *mut f32, dst_s
 /// two weight loads and six broadcasts for twelve FMAs, with no horizontal sums.
 pub fn gemm_panel_avx2(packed: &[f32], len: usize, x: &[f32], x_stride: usize, batch: usize, c: &mut [f32]) {
     assert!(has_avx2());
-    assert!(packed.len() >= len * PANEL && c.len() >= batch * PANEL);
-    assert!(batch == 0 || (len <= x_stride && x.len() >= (batch - 1) * x_stride + len));
+    assert!(fits(packed.len(), len.checked_mul(PANEL)) && fits(c.len(), batch.checked_mul(PANEL)));
+    assert!(batch == 0 || (len <= x_stride && fits(x.len(), strided_len(batch, x_stride, len))));
     #[cfg(target_arch = "x86_64")]
     // SAFETY: AVX2 present; every read lies in `packed` / `x` and every write in `c` (asserted).
     unsafe {
@@ -520,7 +536,7 @@ const MAX_GROUP: usize = 8;
 pub fn group_dots(queries: &[f32], key: &[f32], scale: f32, out: &mut [f32]) {
     let dim = key.len();
     let group = out.len();
-    assert!(queries.len() >= group * dim);
+    assert!(fits(queries.len(), group.checked_mul(dim)));
     #[cfg(target_arch = "x86_64")]
     if has_avx2() && group <= MAX_GROUP && dim.is_multiple_of(8) {
         // SAFETY: AVX2 present; `queries` holds `group · dim` values, `key` `dim`, `out` `group`.
@@ -556,7 +572,7 @@ unsafe fn group_dots_avx2(queries: *const f32, key: *const f32, dim: usize, scal
 pub fn group_axpy(weights: &[f32], value: &[f32], out: &mut [f32]) {
     let dim = value.len();
     let group = weights.len();
-    assert!(out.len() >= group * dim);
+    assert!(fits(out.len(), group.checked_mul(dim)));
     #[cfg(target_arch = "x86_64")]
     if has_avx2() && dim.is_multiple_of(8) {
         // SAFETY: AVX2 present; `value` holds `dim` values and `out` `group · dim`.
@@ -588,8 +604,8 @@ unsafe fn group_axpy_avx2(weights: &[f32], value: *const f32, dim: usize, out: *
 /// keeps a slice of every head's output in registers across all rows (up to 12 accumulators),
 /// so each value row is loaded once per slice and no partial output goes through memory.
 pub fn weighted_rows(weights: &[f32], group: usize, values: &[f32], offsets: &[usize], dim: usize, out: &mut [f32]) {
-    assert!(weights.len() >= offsets.len() * group && out.len() >= group * dim);
-    assert!(offsets.iter().all(|&o| o + dim <= values.len()));
+    assert!(fits(weights.len(), offsets.len().checked_mul(group)) && fits(out.len(), group.checked_mul(dim)));
+    assert!(offsets.iter().all(|&o| fits(values.len(), o.checked_add(dim))));
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         let (w, v, o) = (weights.as_ptr(), values.as_ptr(), out.as_mut_ptr());
@@ -737,7 +753,7 @@ unsafe impl Sync for SharedOutput<'_> {}
 
 impl<'a> SharedOutput<'a> {
     pub fn new(out: &'a mut [f32], batch: usize, columns: usize) -> Self {
-        assert!(out.len() >= batch * columns);
+        assert!(fits(out.len(), batch.checked_mul(columns)));
         Self {
             ptr: out.as_mut_ptr(),
             batch,
@@ -749,8 +765,8 @@ impl<'a> SharedOutput<'a> {
     /// Stores `values[b][j]` (`values` is `[batch][stride]`) at `out[b][first + j]` for
     /// `j < columns`. Callers pass only the columns their task owns (module invariant).
     pub fn store_rows(&self, first: usize, columns: usize, values: &[f32], stride: usize) {
-        assert!(first + columns <= self.columns && columns <= stride);
-        assert!(self.batch == 0 || values.len() >= (self.batch - 1) * stride + columns);
+        assert!(fits(self.columns, first.checked_add(columns)) && columns <= stride);
+        assert!(fits(values.len(), strided_len(self.batch, stride, columns)));
         for b in 0..self.batch {
             let src = &values[b * stride..b * stride + columns];
             // SAFETY: in bounds (asserted); no other task writes these columns.
@@ -761,7 +777,7 @@ impl<'a> SharedOutput<'a> {
     /// Stores `values[r][b]` (`values` is `[rows][batch]`) at `out[b][first + r]`.
     /// Callers pass only the columns their task owns (module invariant).
     pub fn store_columns(&self, first: usize, rows: usize, values: &[f32]) {
-        assert!(first + rows <= self.columns && values.len() >= rows * self.batch);
+        assert!(fits(self.columns, first.checked_add(rows)) && fits(values.len(), rows.checked_mul(self.batch)));
         for r in 0..rows {
             for b in 0..self.batch {
                 // SAFETY: in bounds (asserted); no other task writes column `first + r`.
