@@ -83,13 +83,7 @@ for clients in $CONCURRENCY; do
         done
     done
     # Stop llama-server (restarted with the next concurrency's slot count); keep Rivulet and vLLM.
-    for pid in "${SERVER_PIDS[@]:first_peer}"; do
-        kill "$pid" 2>/dev/null || true
-    done
-    for pid in "${SERVER_PIDS[@]:first_peer}"; do
-        wait "$pid" 2>/dev/null || true
-    done
-    SERVER_PIDS=("${SERVER_PIDS[@]:0:first_peer}")
+    stop_servers "$first_peer"
 done
 
 for clients in $CONCURRENCY; do

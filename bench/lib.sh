@@ -6,14 +6,17 @@ BENCH="$ROOT/target/release/rivulet-bench"
 MODEL="${MODEL:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 SERVER_PIDS=()
 
+# stop_servers [FIRST]: stops the servers started from index FIRST of SERVER_PIDS on (default:
+# all of them) and forgets them.
 stop_servers() {
-    for pid in "${SERVER_PIDS[@]}"; do
+    local first=${1:-0}
+    for pid in "${SERVER_PIDS[@]:first}"; do
         kill "$pid" 2>/dev/null || true
     done
-    for pid in "${SERVER_PIDS[@]}"; do
+    for pid in "${SERVER_PIDS[@]:first}"; do
         wait "$pid" 2>/dev/null || true
     done
-    SERVER_PIDS=()
+    SERVER_PIDS=("${SERVER_PIDS[@]:0:first}")
 }
 trap stop_servers EXIT
 

@@ -82,20 +82,6 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<usize>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// Where the key (or value) row of KV head `kv_head` for the sequence's `index`-th token starts.
-#[cfg(test)]
-fn kv_offset(shape: AttentionShape, table: &[i64], index: usize, kv_head: usize) -> usize {
-    let slot = table[index / shape.block_size] as usize * shape.block_size + index % shape.block_size;
-    slot * shape.kv_width() + kv_head * shape.head_dim
-}
-
-/// The key (or value) row of KV head `kv_head` for the sequence's `index`-th token.
-#[cfg(test)]
-fn kv_row<'c>(shape: AttentionShape, cache: &'c [f32], table: &[i64], index: usize, kv_head: usize) -> &'c [f32] {
-    let at = kv_offset(shape, table, index, kv_head);
-    &cache[at..at + shape.head_dim]
-}
-
 #[allow(clippy::too_many_arguments)]
 fn attend_group(
     shape: AttentionShape,
@@ -168,6 +154,14 @@ fn attend_group(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The key (or value) row of KV head `kv_head` for the sequence's `index`-th token, found
+    /// independently of `attend_group`'s block walk.
+    fn kv_row<'c>(shape: AttentionShape, cache: &'c [f32], table: &[i64], index: usize, kv_head: usize) -> &'c [f32] {
+        let slot = table[index / shape.block_size] as usize * shape.block_size + index % shape.block_size;
+        let at = slot * shape.kv_width() + kv_head * shape.head_dim;
+        &cache[at..at + shape.head_dim]
+    }
 
     /// Reference: dense attention in f64 over keys gathered in order.
     fn reference(q: &[f32], keys: &[Vec<f32>], values: &[Vec<f32>], dim: usize) -> Vec<f64> {
