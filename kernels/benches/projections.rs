@@ -74,36 +74,50 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
             .collect();
         let bytes: usize = matrices.iter().flatten().map(WeightMatrix::byte_len).sum();
         let weights: usize = shapes.iter().map(|(r, c)| r * c).sum::<usize>() * layers;
-        // PROJECTIONS_BEST_ONLY=1 skips the portable path (for a profiler).
-        let paths = if std::env::var_os("PROJECTIONS_BEST_ONLY").is_some() {
-            vec![Isa::best()]
-        } else {
-            vec![Isa::best(), Isa::Portable]
+        // PROJECTIONS_BEST_ONLY=1 skips the other paths (for a profiler). `Avx2F32` is the AVX2
+        // code with f32 activations throughout: beside `Avx2`, what the integer GEMV gains.
+        let paths = match Isa::best() {
+            best if std::env::var_os("PROJECTIONS_BEST_ONLY").is_some() => vec![best],
+            Isa::Avx2 => vec![Isa::Avx2, Isa::Avx2F32, Isa::Portable],
+            best => vec![best, Isa::Portable],
         };
-        for isa in paths {
-            for &batch in batches {
-                let inputs: Vec<Vec<f32>> = shapes
-                    .iter()
-                    .map(|&(_, cols)| (0..batch * cols).map(|_| rng.random_range(-1.0..1.0)).collect())
-                    .collect();
-                let mut outputs: Vec<Vec<f32>> = shapes.iter().map(|&(rows, _)| vec![0.0; batch * rows]).collect();
-                let mut step = || {
-                    for layer in &matrices {
-                        for ((m, x), out) in layer.iter().zip(&inputs).zip(&mut outputs) {
-                            m.matmul_on(isa, x, batch, out).expect("shapes match");
-                        }
+        for &batch in batches {
+            let inputs: Vec<Vec<f32>> = shapes
+                .iter()
+                .map(|&(_, cols)| (0..batch * cols).map(|_| rng.random_range(-1.0..1.0)).collect())
+                .collect();
+            let mut outputs: Vec<Vec<f32>> = shapes.iter().map(|&(rows, _)| vec![0.0; batch * rows]).collect();
+            let mut step = |isa: Isa| {
+                let start = Instant::now();
+                for layer in &matrices {
+                    for ((m, x), out) in layer.iter().zip(&inputs).zip(&mut outputs) {
+                        m.matmul_on(isa, x, batch, out).expect("shapes match");
                     }
-                };
-                step();
-                let mut times: Vec<f64> = (0..5)
-                    .map(|_| {
-                        let start = Instant::now();
-                        step();
-                        start.elapsed().as_secs_f64()
-                    })
-                    .collect();
+                }
+                start.elapsed().as_secs_f64()
+            };
+            // Above 2 rows `Avx2F32` runs `Avx2`'s code; the portable path is for correctness
+            // and odd CPUs, one point of it past 8 rows suffices.
+            let timed: Vec<Isa> = paths
+                .iter()
+                .copied()
+                .filter(|&isa| !(isa == Isa::Avx2F32 && batch > 2) && !(isa == Isa::Portable && batch > 8))
+                .collect();
+            // Rounds alternate the paths, so that the machine's noise falls on all of them alike;
+            // each path's median round is reported.
+            let rounds = if timed.contains(&Isa::Portable) { 5 } else { 15 };
+            let mut times = vec![Vec::new(); timed.len()];
+            timed.iter().for_each(|&isa| {
+                step(isa);
+            });
+            for _ in 0..rounds {
+                for (isa, times) in timed.iter().zip(&mut times) {
+                    times.push(step(*isa));
+                }
+            }
+            for (isa, mut times) in timed.iter().zip(times) {
                 times.sort_by(f64::total_cmp);
-                let seconds = times[2];
+                let seconds = times[times.len() / 2];
                 println!(
                     "{:<6} {:<9} {batch:>6} {:>10.2} {:>10.1} {:>10.1}",
                     format!("{format:?}"),
@@ -112,9 +126,6 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
                     bytes as f64 / seconds / 1e9,
                     2.0 * (weights * batch) as f64 / seconds / 1e9
                 );
-                if isa == Isa::Portable && batch >= 8 {
-                    break; // the portable path is for correctness and odd CPUs; one point suffices
-                }
             }
         }
     }

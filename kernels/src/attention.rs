@@ -77,6 +77,9 @@ pub fn paged_attention(
         });
 }
 
+/// How far ahead of the row being scored its key and value rows are prefetched.
+const PREFETCH_ROWS_AHEAD: usize = 8;
+
 thread_local! {
     /// `[visible][group]` scores and the value rows' offsets, reused across calls.
     static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<usize>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
@@ -115,7 +118,13 @@ fn attend_group(
     // `[visible][group]`: one key's scores for the whole group side by side.
     scores.clear();
     scores.resize(visible * group, 0.0);
-    for (row, &at) in scores.chunks_exact_mut(group).zip(offsets.iter()) {
+    for (index, (row, &at)) in scores.chunks_exact_mut(group).zip(offsets.iter()).enumerate() {
+        // Key rows are a head's slice of each slot, so the hardware prefetcher does not follow
+        // them (the scores waited on memory); value rows are fetched now for the weighted sum.
+        if let Some(&ahead) = offsets.get(index + PREFETCH_ROWS_AHEAD) {
+            crate::simd::prefetch(&keys[ahead..ahead + shape.head_dim]);
+            crate::simd::prefetch(&values[ahead..ahead + shape.head_dim]);
+        }
         group_dots(query_group, &keys[at..at + shape.head_dim], scale, row);
     }
     // Softmax per head: subtract each head's maximum, exponentiate the whole block at once

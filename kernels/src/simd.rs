@@ -1,5 +1,5 @@
-//! The crate's only `unsafe`: AVX2 + FMA + F16C code paths, and the output handle that lets
-//! parallel tasks write disjoint columns of one matrix.
+//! The crate's only `unsafe` (here and in the child module [`gemv_i16`]): AVX2 + FMA + F16C code
+//! paths, and the output handle that lets parallel tasks write disjoint columns of one matrix.
 //!
 //! Invariants, checked where each function is entered from safe code:
 //! - Every `#[target_feature]` function is called only after [`has_avx2`] returned true (the
@@ -20,6 +20,9 @@ use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
 use rivulet_gguf::GgmlType;
+
+mod gemv_i16;
+pub use gemv_i16::{gemv_i16_decodes, gemv_i16_rows_avx2, GEMV_I16_MAX_BATCH};
 
 /// Whether this CPU runs the AVX2 paths (detected once; `RIVULET_KERNELS_PORTABLE=1` forces the
 /// portable code, to test and measure it).
@@ -358,11 +361,15 @@ unsafe fn hsum(v: __m256) -> f32 {
 
 /// Asks for every cache line of `data` to be brought towards L1 (a hint; it changes no state a
 /// program can observe).
-pub fn prefetch(data: &[u8]) {
+pub fn prefetch<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    for line in data.chunks(64) {
-        // SAFETY: `line` is a live slice, and a prefetch neither faults nor writes.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+    {
+        let start = data.as_ptr().cast::<u8>();
+        for offset in (0..std::mem::size_of_val(data)).step_by(64) {
+            // SAFETY: `offset` lies inside the live slice `data`, and a prefetch neither faults
+            // nor writes.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.add(offset).cast()) };
+        }
     }
 }
 
