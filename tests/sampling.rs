@@ -87,7 +87,9 @@ async fn logprobs_match_transformers_log_softmax() {
         for (rank, alternative) in ours.top.iter().enumerate() {
             assert!(
                 (f64::from(alternative.logprob) - top_values[rank]).abs() < 1e-3,
-                "token {i} rank {rank}"
+                "token {i} rank {rank}: {} vs {}",
+                alternative.logprob,
+                top_values[rank]
             );
             // Near-ties may swap places; the id must be the reference's at this rank or a tie.
             if alternative.token_id != top_ids[rank] {

@@ -74,12 +74,11 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
             .collect();
         let bytes: usize = matrices.iter().flatten().map(WeightMatrix::byte_len).sum();
         let weights: usize = shapes.iter().map(|(r, c)| r * c).sum::<usize>() * layers;
-        // PROJECTIONS_BEST_ONLY=1 skips the other paths (for a profiler). `Avx2F32` is the AVX2
-        // code with f32 activations throughout: beside `Avx2`, what the integer GEMV gains.
-        let paths = match Isa::best() {
-            best if std::env::var_os("PROJECTIONS_BEST_ONLY").is_some() => vec![best],
-            Isa::Avx2 => vec![Isa::Avx2, Isa::Avx2F32, Isa::Portable],
-            best => vec![best, Isa::Portable],
+        // PROJECTIONS_BEST_ONLY=1 skips the portable path (for a profiler).
+        let paths = if std::env::var_os("PROJECTIONS_BEST_ONLY").is_some() {
+            vec![Isa::best()]
+        } else {
+            vec![Isa::best(), Isa::Portable]
         };
         for &batch in batches {
             let inputs: Vec<Vec<f32>> = shapes
@@ -96,12 +95,12 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
                 }
                 start.elapsed().as_secs_f64()
             };
-            // Above 2 rows `Avx2F32` runs `Avx2`'s code; the portable path is for correctness
-            // and odd CPUs, one point of it past 8 rows suffices.
+            // The portable path is for correctness and odd CPUs: one point of it past 8 rows
+            // suffices.
             let timed: Vec<Isa> = paths
                 .iter()
                 .copied()
-                .filter(|&isa| !(isa == Isa::Avx2F32 && batch > 2) && !(isa == Isa::Portable && batch > 8))
+                .filter(|&isa| !(isa == Isa::Portable && batch > 8))
                 .collect();
             // Rounds alternate the paths, so that the machine's noise falls on all of them alike;
             // each path's median round is reported.

@@ -4,8 +4,13 @@
 //! for a decode token and for each token of a prompt chunk (that is the causal mask), so the two
 //! are one code path. Keys are found through the sequence's block table as they are read; nothing
 //! is gathered or padded. The query heads that share a KV head (grouped-query attention) are
-//! scored together, so each key and value row is read once per group. Work is split over
-//! (token, KV head) pairs, which gives even one decoding sequence a task per KV head.
+//! scored together, so each key and value row is read once per group.
+//!
+//! Work is split over (token, KV head) pairs. When there are too few pairs to keep every thread
+//! busy (one or two decoding sequences: SmolLM2's 3 KV heads on 2 threads left one thread with
+//! two pairs and the other with one), each pair's keys are also split into parts scored in
+//! parallel, each with its own maximum and sum, and the parts are merged by rescaling to the
+//! common maximum (flash-decoding). The result is the same softmax, summed in another order.
 
 use rayon::prelude::*;
 
@@ -39,6 +44,21 @@ pub struct TokenKeys<'a> {
     pub visible: usize,
 }
 
+/// When a (token, KV head) pair's keys are split into parts.
+#[derive(Debug, Clone, Copy)]
+struct Split {
+    /// Parallel tasks wanted in all; pairs are split only while there are fewer.
+    tasks: usize,
+    /// The fewest keys a part holds (below it, merging costs more than the parallelism gains).
+    min_keys: usize,
+}
+
+/// Tasks per thread wanted, so that a slow core does not hold the step up.
+const TASKS_PER_THREAD: usize = 4;
+
+/// The fewest keys worth a part of their own.
+const MIN_PART_KEYS: usize = 64;
+
 /// `out[t]` (`heads · head_dim` values) = softmax(q·Kᵀ · scale) · V for each token `t`.
 /// `queries` holds token `t`'s heads at `t · query_stride`; `keys`/`values` are the layer's cache,
 /// `[slots][kv_heads · head_dim]`.
@@ -51,73 +71,236 @@ pub fn paged_attention(
     values: &[f32],
     out: &mut [f32],
 ) {
-    let group_width = shape.group() * shape.head_dim;
-    let scale = 1.0 / (shape.head_dim as f32).sqrt();
-    out[..tokens.len() * shape.heads * shape.head_dim]
-        .par_chunks_mut(group_width)
-        .enumerate()
-        .for_each(|(unit, out_group)| {
-            let (token, kv_head) = (unit / shape.kv_heads, unit % shape.kv_heads);
-            let first = token * query_stride + kv_head * group_width;
-            let query_group = &queries[first..first + group_width];
-            SCRATCH.with_borrow_mut(|(scores, offsets)| {
-                attend_group(
+    let split = Split {
+        tasks: rayon::current_num_threads() * TASKS_PER_THREAD,
+        min_keys: MIN_PART_KEYS,
+    };
+    attention_in_parts(shape, split, queries, query_stride, tokens, keys, values, out);
+}
+
+/// One task: keys `keys` (indices into the token's visible keys) of one (token, KV head) pair.
+#[derive(Debug, Clone)]
+struct Part {
+    unit: usize,
+    keys: std::ops::Range<usize>,
+}
+
+/// [`paged_attention`] with the given split. A part's result before normalization is, per query
+/// head of the group, the largest score, the sum of `exp(score − max)` and the `exp`-weighted sum
+/// of value rows.
+#[allow(clippy::too_many_arguments)]
+fn attention_in_parts(
+    shape: AttentionShape,
+    split: Split,
+    queries: &[f32],
+    query_stride: usize,
+    tokens: &[TokenKeys<'_>],
+    keys: &[f32],
+    values: &[f32],
+    out: &mut [f32],
+) {
+    let (group, head_dim) = (shape.group(), shape.head_dim);
+    let group_width = group * head_dim;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let units = tokens.len() * shape.kv_heads;
+    let parts_wanted = split.tasks.div_ceil(units.max(1)).max(1);
+    let parts: Vec<Part> = (0..units)
+        .flat_map(|unit| {
+            let visible = tokens[unit / shape.kv_heads].visible;
+            let count = parts_wanted.min(visible / split.min_keys.max(1)).max(1);
+            let per_part = visible.div_ceil(count).max(1);
+            (0..visible.max(1)).step_by(per_part).map(move |first| Part {
+                unit,
+                keys: first..(first + per_part).min(visible),
+            })
+        })
+        .collect();
+    if parts.len() == units {
+        // No pair was split: each writes its normalized result straight into `out`.
+        out[..units * group_width]
+            .par_chunks_mut(group_width)
+            .zip(parts.par_iter())
+            .for_each(|(out_group, part)| {
+                let rows = key_rows(shape, tokens, part);
+                let query_group = query_group_of(queries, query_stride, group_width, shape, part.unit);
+                SCRATCH.with_borrow_mut(|scratch| {
+                    let (scores, offsets, stats) = (&mut scratch.0, &mut scratch.1, &mut scratch.2);
+                    stats.resize(2 * group, 0.0);
+                    let (max, total) = stats.split_at_mut(group);
+                    attend_part(
+                        shape,
+                        scale,
+                        query_group,
+                        rows,
+                        keys,
+                        values,
+                        scores,
+                        offsets,
+                        max,
+                        total,
+                        out_group,
+                    );
+                    for (out_head, &total) in out_group.chunks_exact_mut(head_dim).zip(total.iter()) {
+                        let inverse = if total > 0.0 { total.recip() } else { 0.0 };
+                        out_head.iter_mut().for_each(|o| *o *= inverse);
+                    }
+                });
+            });
+        return;
+    }
+    // `[parts][group]` maxima and sums, `[parts][group_width]` weighted value sums.
+    let mut maxima = vec![f32::NEG_INFINITY; parts.len() * group];
+    let mut totals = vec![0f32; parts.len() * group];
+    let mut sums = vec![0f32; parts.len() * group_width];
+    parts
+        .par_iter()
+        .zip(maxima.par_chunks_mut(group))
+        .zip(totals.par_chunks_mut(group))
+        .zip(sums.par_chunks_mut(group_width))
+        .for_each(|(((part, max), total), sum)| {
+            let rows = key_rows(shape, tokens, part);
+            let query_group = query_group_of(queries, query_stride, group_width, shape, part.unit);
+            SCRATCH.with_borrow_mut(|scratch| {
+                attend_part(
                     shape,
                     scale,
                     query_group,
-                    tokens[token],
-                    kv_head,
+                    rows,
                     keys,
                     values,
-                    scores,
-                    offsets,
-                    out_group,
+                    &mut scratch.0,
+                    &mut scratch.1,
+                    max,
+                    total,
+                    sum,
                 )
             });
         });
+    // Merge each pair's parts: rescale to the largest maximum, add, divide by the total.
+    let parts_of_unit =
+        |unit: usize| parts.partition_point(|p| p.unit < unit)..parts.partition_point(|p| p.unit <= unit);
+    out[..units * group_width]
+        .par_chunks_mut(group_width)
+        .enumerate()
+        .for_each(|(unit, out_group)| {
+            let range = parts_of_unit(unit);
+            for (g, out_head) in out_group.chunks_exact_mut(head_dim).enumerate() {
+                let max = range
+                    .clone()
+                    .map(|p| maxima[p * group + g])
+                    .fold(f32::NEG_INFINITY, f32::max);
+                out_head.fill(0.0);
+                let mut total = 0f32;
+                for p in range.clone() {
+                    // A part with no keys has an infinite negative maximum and contributes nothing.
+                    let weight = if maxima[p * group + g] == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        (maxima[p * group + g] - max).exp()
+                    };
+                    total += weight * totals[p * group + g];
+                    let part_sum = &sums[p * group_width + g * head_dim..][..head_dim];
+                    out_head.iter_mut().zip(part_sum).for_each(|(o, s)| *o += weight * s);
+                }
+                let inverse = if total > 0.0 { total.recip() } else { 0.0 };
+                out_head.iter_mut().for_each(|o| *o *= inverse);
+            }
+        });
+}
+
+/// The key rows `part` reads.
+fn key_rows<'a>(shape: AttentionShape, tokens: &[TokenKeys<'a>], part: &Part) -> KeyRows<'a> {
+    KeyRows {
+        shape,
+        token: tokens[part.unit / shape.kv_heads],
+        kv_head: part.unit % shape.kv_heads,
+        keys: part.keys.clone(),
+    }
+}
+
+/// The query heads of pair `unit` (token `unit / kv_heads`, KV head `unit % kv_heads`).
+fn query_group_of(
+    queries: &[f32],
+    query_stride: usize,
+    group_width: usize,
+    shape: AttentionShape,
+    unit: usize,
+) -> &[f32] {
+    let first = unit / shape.kv_heads * query_stride + unit % shape.kv_heads * group_width;
+    &queries[first..first + group_width]
 }
 
 /// How far ahead of the row being scored its key and value rows are prefetched.
 const PREFETCH_ROWS_AHEAD: usize = 8;
 
 thread_local! {
-    /// `[visible][group]` scores and the value rows' offsets, reused across calls.
-    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<usize>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    /// `[keys][group]` scores, the key/value rows' offsets and `[2][group]` maxima and sums,
+    /// reused across calls.
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<usize>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
+/// Which key rows a part reads: keys `keys` of what `token` sees, for KV head `kv_head`.
+struct KeyRows<'a> {
+    shape: AttentionShape,
+    token: TokenKeys<'a>,
+    kv_head: usize,
+    keys: std::ops::Range<usize>,
+}
+
+impl KeyRows<'_> {
+    /// Where each key (and value) row starts, block by block through the table: slots of one
+    /// block are consecutive, so no per-key division.
+    fn offsets_into(&self, offsets: &mut Vec<usize>) {
+        let shape = self.shape;
+        let head_at = self.kv_head * shape.head_dim;
+        offsets.clear();
+        // The caller checked that the table covers every visible key; were it short, the missing
+        // keys would silently drop out of the softmax, so this stays a check in release builds.
+        assert!(
+            self.keys.end <= self.token.visible
+                && self.token.visible.div_ceil(shape.block_size) <= self.token.block_table.len(),
+            "block table shorter than the visible keys"
+        );
+        let mut key = self.keys.start;
+        while key < self.keys.end {
+            let (index, within) = (key / shape.block_size, key % shape.block_size);
+            let count = (shape.block_size - within).min(self.keys.end - key);
+            let base = self.token.block_table[index] as usize * shape.block_size + within;
+            offsets.extend((base..base + count).map(|slot| slot * shape.kv_width() + head_at));
+            key += count;
+        }
+    }
+}
+
+/// Scores `rows` for the query group, and writes the part's per-head maximum, sum of
+/// `exp(score − max)` and `exp`-weighted sum of value rows.
 #[allow(clippy::too_many_arguments)]
-fn attend_group(
+fn attend_part(
     shape: AttentionShape,
     scale: f32,
     query_group: &[f32],
-    token: TokenKeys<'_>,
-    kv_head: usize,
+    rows: KeyRows<'_>,
     keys: &[f32],
     values: &[f32],
     scores: &mut Vec<f32>,
     offsets: &mut Vec<usize>,
-    out_group: &mut [f32],
+    max: &mut [f32],
+    total: &mut [f32],
+    sum: &mut [f32],
 ) {
-    let (group, visible) = (shape.group(), token.visible);
-    // Where each visible key (and value) row starts, block by block through the table: slots
-    // of one block are consecutive, so no per-key division.
-    offsets.clear();
-    let head_at = kv_head * shape.head_dim;
-    for (index, &block) in token.block_table.iter().enumerate() {
-        let first = index * shape.block_size;
-        if first >= visible {
-            break;
-        }
-        let base = block as usize * shape.block_size;
-        let slots = base..base + shape.block_size.min(visible - first);
-        offsets.extend(slots.map(|slot| slot * shape.kv_width() + head_at));
+    let group = shape.group();
+    max.fill(f32::NEG_INFINITY);
+    total.fill(0.0);
+    rows.offsets_into(offsets);
+    let count = offsets.len();
+    if count == 0 {
+        sum.fill(0.0);
+        return; // max stays −∞: the merge gives the part no weight
     }
-    // The caller checked that the table covers every visible key; were it short, the missing
-    // keys would silently drop out of the softmax, so this stays a check in release builds.
-    assert_eq!(offsets.len(), visible, "block table shorter than the visible keys");
-    // `[visible][group]`: one key's scores for the whole group side by side.
+    // `[count][group]`: one key's scores for the whole group side by side.
     scores.clear();
-    scores.resize(visible * group, 0.0);
+    scores.resize(count * group, 0.0);
     for (index, (row, &at)) in scores.chunks_exact_mut(group).zip(offsets.iter()).enumerate() {
         // Key rows are a head's slice of each slot, so the hardware prefetcher does not follow
         // them (the scores waited on memory); value rows are fetched now for the weighted sum.
@@ -127,37 +310,18 @@ fn attend_group(
         }
         group_dots(query_group, &keys[at..at + shape.head_dim], scale, row);
     }
-    // Softmax per head: subtract each head's maximum, exponentiate the whole block at once
-    // (vectorized), then normalize.
-    let mut max = [f32::NEG_INFINITY; 16];
-    let mut total = [0f32; 16];
-    let (max, total) = (&mut max[..group.min(16)], &mut total[..group.min(16)]);
-    if group > 16 {
-        // More query heads per KV head than any model uses; keep it correct anyway.
-        for g in 0..group {
-            let m = (0..visible)
-                .map(|t| scores[t * group + g])
-                .fold(f32::NEG_INFINITY, f32::max);
-            (0..visible).for_each(|t| scores[t * group + g] = (scores[t * group + g] - m).exp());
-            let sum: f32 = (0..visible).map(|t| scores[t * group + g]).sum();
-            (0..visible).for_each(|t| scores[t * group + g] /= sum);
-        }
-    } else {
-        for row in scores.chunks_exact(group) {
-            max.iter_mut().zip(row).for_each(|(m, s)| *m = m.max(*s));
-        }
-        for row in scores.chunks_exact_mut(group) {
-            row.iter_mut().zip(max.iter()).for_each(|(s, m)| *s -= m);
-        }
-        exp_in_place(scores);
-        for row in scores.chunks_exact(group) {
-            total.iter_mut().zip(row).for_each(|(t, s)| *t += s);
-        }
-        for row in scores.chunks_exact_mut(group) {
-            row.iter_mut().zip(total.iter()).for_each(|(s, t)| *s /= t);
-        }
+    // Per head: subtract its maximum, exponentiate the whole block at once (vectorized), sum.
+    for row in scores.chunks_exact(group) {
+        max.iter_mut().zip(row).for_each(|(m, s)| *m = m.max(*s));
     }
-    weighted_rows(scores, group, values, offsets, shape.head_dim, out_group);
+    for row in scores.chunks_exact_mut(group) {
+        row.iter_mut().zip(max.iter()).for_each(|(s, m)| *s -= m);
+    }
+    exp_in_place(scores);
+    for row in scores.chunks_exact(group) {
+        total.iter_mut().zip(row).for_each(|(t, s)| *t += s);
+    }
+    weighted_rows(scores, group, values, offsets, shape.head_dim, sum);
 }
 
 #[cfg(test)]
@@ -190,12 +354,21 @@ mod tests {
     #[test]
     fn matches_dense_attention_through_scattered_blocks() {
         // 12: the portable path; 16: whole vectors (AVX2 where the CPU has it); groups of 3 and 4.
+        // Unsplit, and with every pair's keys split into parts of at least 2 or 3 keys (merged
+        // by rescaling), as one or two decoding sequences are.
+        let splits = [
+            Split { tasks: 1, min_keys: 64 },
+            Split { tasks: 64, min_keys: 2 },
+            Split { tasks: 24, min_keys: 3 },
+        ];
         for (heads, head_dim) in [(6, 12), (8, 16), (6, 64)] {
-            check_against_dense(heads, head_dim);
+            for split in splits {
+                check_against_dense(heads, head_dim, split);
+            }
         }
     }
 
-    fn check_against_dense(heads: usize, head_dim: usize) {
+    fn check_against_dense(heads: usize, head_dim: usize, split: Split) {
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let shape = AttentionShape {
@@ -235,7 +408,7 @@ mod tests {
         let stride = q_width + 5; // queries sit inside wider rows, as in a fused QKV output
         let queries = random(tokens.len() * stride);
         let mut out = vec![0f32; tokens.len() * q_width];
-        paged_attention(shape, &queries, stride, &tokens, &keys, &values, &mut out);
+        attention_in_parts(shape, split, &queries, stride, &tokens, &keys, &values, &mut out);
 
         let gather = |cache: &[f32], table: &[i64], n: usize, kv_head: usize| -> Vec<Vec<f32>> {
             (0..n)
@@ -254,7 +427,10 @@ mod tests {
                 );
                 let got = &out[t * q_width + head * shape.head_dim..][..shape.head_dim];
                 for (g, e) in got.iter().zip(&expected) {
-                    assert!((*g as f64 - e).abs() < 1e-5, "token {t} head {head}: {g} vs {e}");
+                    assert!(
+                        (*g as f64 - e).abs() < 1e-5,
+                        "{split:?} token {t} head {head}: {g} vs {e}"
+                    );
                 }
             }
         }

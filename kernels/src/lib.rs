@@ -5,14 +5,11 @@
 //! - [`ops`]: RMSNorm, interleaved rotary embedding, SiLU·mul — row by row, no temporaries.
 //! - [`attention`]: attention for every token of a step straight over the paged KV cache (block
 //!   tables are followed, never gathered), grouped-query heads sharing each key read.
-//! - `activations`: activation rows as 16-bit integers per block, for the integer GEMV that one
-//!   or a few sequences take (error at most half a step of 2⁻¹⁵ of each block's largest value).
 //! - `simd`: the crate's only `unsafe` — AVX2/FMA/F16C paths chosen at run time, with a portable
 //!   fallback for every one of them.
 //!
 //! Parallel work runs on the current rayon pool, whose threads sleep when there is none.
 
-mod activations;
 pub mod attention;
 pub mod matrix;
 pub mod ops;

@@ -11,7 +11,6 @@ use rayon::prelude::*;
 use rivulet_gguf::dequant::dequantize_append;
 use rivulet_gguf::GgmlType;
 
-use crate::activations::QuantizedRows;
 use crate::simd::{self, SharedOutput};
 use crate::KernelError;
 
@@ -149,29 +148,19 @@ impl WeightMatrix {
         if batch == 0 || self.rows == 0 {
             return Ok(());
         }
-        // One or two activation rows against Q4/Q8 weights multiply integers (`GemvI16`: the
-        // activations quantized to 16 bits per block, see `activations`); other small batches
-        // decode each block in registers and use it at once (`Gemv`); larger ones decode a panel
-        // of rows once into L1, transposed, and run a register-blocked kernel over every
-        // activation row (`Packed`); `Portable` is the same idea in plain Rust.
-        let whole_blocks = self.cols.is_multiple_of(32);
+        // Small batches decode each block in registers and use it at once (`Gemv`); larger ones
+        // decode a panel of rows once into L1, transposed, and run a register-blocked kernel
+        // over every activation row (`Packed`); `Portable` is the same idea in plain Rust.
         let path = match isa {
-            Isa::Avx2 if batch <= simd::GEMV_I16_MAX_BATCH && simd::gemv_i16_decodes(self.format) && whole_blocks => {
-                Path::GemvI16(QuantizedRows::new(x, batch, self.cols))
-            }
-            Isa::Avx2 | Isa::Avx2F32
-                if batch <= simd::GEMV_MAX_BATCH && simd::gemv_decodes(self.format) && whole_blocks =>
+            Isa::Avx2
+                if batch <= simd::GEMV_MAX_BATCH && simd::gemv_decodes(self.format) && self.cols.is_multiple_of(32) =>
             {
                 Path::Gemv
             }
-            Isa::Avx2 | Isa::Avx2F32 => Path::Packed,
+            Isa::Avx2 => Path::Packed,
             Isa::Portable => Path::Portable,
         };
-        let unit = if matches!(path, Path::Packed) {
-            simd::PANEL
-        } else {
-            STRIP
-        };
+        let unit = if path == Path::Packed { simd::PANEL } else { STRIP };
         let units = self.rows.div_ceil(unit);
         // Several tasks per thread so that a slow core does not hold the step up.
         let per_task = units.div_ceil(rayon::current_num_threads() * 4).max(1);
@@ -179,16 +168,7 @@ impl WeightMatrix {
         (0..units.div_ceil(per_task)).into_par_iter().for_each(|task| {
             let first = task * per_task * unit;
             let last = ((task + 1) * per_task * unit).min(self.rows);
-            match &path {
-                Path::GemvI16(x) => {
-                    let mut sums = [0f32; STRIP * simd::GEMV_I16_MAX_BATCH];
-                    for row in (first..last).step_by(STRIP) {
-                        let rows = STRIP.min(last - row);
-                        let bytes = &self.data[row * self.row_bytes..(row + rows) * self.row_bytes];
-                        simd::gemv_i16_rows_avx2(self.format, bytes, self.row_bytes, rows, x, &mut sums);
-                        output.store_columns(first_column + row, rows, &sums[..rows * batch]);
-                    }
-                }
+            match path {
                 Path::Gemv => {
                     let mut sums = [0f32; STRIP * simd::GEMV_MAX_BATCH];
                     for row in (first..last).step_by(STRIP) {
@@ -322,12 +302,8 @@ impl WeightMatrix {
 /// A code path of the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
-    /// AVX2 + FMA + F16C, chosen at run time where the CPU has them. One or two activation rows
-    /// against Q4_0/Q4_1/Q8_0 weights take the integer GEMV (activations rounded to 16 bits per
-    /// block of 32: at most half a step of 2⁻¹⁵ of the block's largest value each).
+    /// AVX2 + FMA + F16C, chosen at run time where the CPU has them.
     Avx2,
-    /// The same paths with f32 activations throughout (the integer GEMV's reference).
-    Avx2F32,
     /// Plain Rust that the compiler vectorizes for the baseline target.
     Portable,
 }
@@ -356,9 +332,8 @@ struct Scratch {
     packed: Vec<f32>,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Path {
-    /// The integer GEMV, with the step's activations quantized once for every task.
-    GemvI16(QuantizedRows),
     Gemv,
     Packed,
     Portable,
