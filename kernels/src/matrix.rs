@@ -148,15 +148,16 @@ impl WeightMatrix {
         if batch == 0 || self.rows == 0 {
             return Ok(());
         }
-        // Small batches decode each block in registers and use it at once (`Gemv`); larger ones
+        // Small batches decode each block in registers and use it at once (`Gemv`; one or two
+        // rows against Q4_1 with the block minimum factored out, `GemvQ4_1`); larger ones
         // decode a panel of rows once into L1, transposed, and run a register-blocked kernel
         // over every activation row (`Packed`); `Portable` is the same idea in plain Rust.
+        let whole_blocks = self.cols.is_multiple_of(32);
         let path = match isa {
-            Isa::Avx2
-                if batch <= simd::GEMV_MAX_BATCH && simd::gemv_decodes(self.format) && self.cols.is_multiple_of(32) =>
-            {
-                Path::Gemv
+            Isa::Avx2 if batch <= simd::GEMV_Q4_1_MAX_BATCH && self.format == GgmlType::Q4_1 && whole_blocks => {
+                Path::GemvQ4_1
             }
+            Isa::Avx2 if batch <= simd::GEMV_MAX_BATCH && simd::gemv_decodes(self.format) && whole_blocks => Path::Gemv,
             Isa::Avx2 => Path::Packed,
             Isa::Portable => Path::Portable,
         };
@@ -165,10 +166,33 @@ impl WeightMatrix {
         // Several tasks per thread so that a slow core does not hold the step up.
         let per_task = units.div_ceil(rayon::current_num_threads() * 4).max(1);
         let output = SharedOutput::new(out, batch, out_width);
+        let mut block_sums = Vec::new();
+        if path == Path::GemvQ4_1 {
+            simd::block_sums(x, self.cols, batch, self.cols, &mut block_sums);
+        }
         (0..units.div_ceil(per_task)).into_par_iter().for_each(|task| {
             let first = task * per_task * unit;
             let last = ((task + 1) * per_task * unit).min(self.rows);
             match path {
+                Path::GemvQ4_1 => {
+                    let mut sums = [0f32; STRIP * simd::GEMV_Q4_1_MAX_BATCH];
+                    for row in (first..last).step_by(STRIP) {
+                        let rows = STRIP.min(last - row);
+                        let bytes = &self.data[row * self.row_bytes..(row + rows) * self.row_bytes];
+                        simd::gemv_q4_1_avx2(
+                            bytes,
+                            self.row_bytes,
+                            rows,
+                            self.cols,
+                            x,
+                            self.cols,
+                            &block_sums,
+                            batch,
+                            &mut sums,
+                        );
+                        output.store_columns(first_column + row, rows, &sums[..rows * batch]);
+                    }
+                }
                 Path::Gemv => {
                     let mut sums = [0f32; STRIP * simd::GEMV_MAX_BATCH];
                     for row in (first..last).step_by(STRIP) {
@@ -334,6 +358,7 @@ struct Scratch {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Path {
+    GemvQ4_1,
     Gemv,
     Packed,
     Portable,

@@ -1,5 +1,5 @@
-//! The crate's only `unsafe`: AVX2 + FMA + F16C code paths, and the output handle that lets
-//! parallel tasks write disjoint columns of one matrix.
+//! The crate's only `unsafe` (here and in its child [`gemv_q4_1`]): AVX2 + FMA + F16C code paths,
+//! and the output handle that lets parallel tasks write disjoint columns of one matrix.
 //!
 //! Invariants, checked where each function is entered from safe code:
 //! - Every `#[target_feature]` function is called only after [`has_avx2`] returned true (the
@@ -20,6 +20,9 @@ use std::arch::x86_64::*;
 use std::marker::PhantomData;
 
 use rivulet_gguf::GgmlType;
+
+mod gemv_q4_1;
+pub use gemv_q4_1::{block_sums, gemv_q4_1_avx2, GEMV_Q4_1_MAX_BATCH};
 
 /// Whether this CPU runs the AVX2 paths (detected once; `RIVULET_KERNELS_PORTABLE=1` forces the
 /// portable code, to test and measure it).
