@@ -26,7 +26,7 @@ pub fn block_sums(x: &[f32], x_stride: usize, batch: usize, cols: usize, out: &m
     out.clear();
     for b in 0..batch {
         out.extend(x[b * x_stride..b * x_stride + cols].chunks_exact(32).map(|block| {
-            // Four partial sums, as a vectorizing compiler would pair them.
+            // Eight lane sums added at the end: the order a vectorized loop keeps.
             let mut lanes = [0f32; 8];
             for chunk in block.chunks_exact(8) {
                 lanes.iter_mut().zip(chunk).for_each(|(l, v)| *l += v);

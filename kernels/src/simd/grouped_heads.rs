@@ -1,0 +1,149 @@
+//! Attention's inner loops over the query heads that share one KV head (grouped-query
+//! attention): each key or value row is loaded once for the whole group. Part of [`super`]'s
+//! `unsafe`, under its invariants.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+#[cfg(target_arch = "x86_64")]
+use super::hsum;
+use super::{axpy, dot, fits, has_avx2};
+
+/// Query heads one KV head serves at most on the AVX2 path of [`group_dots`] / [`group_axpy`].
+const MAX_GROUP: usize = 8;
+
+/// `out[g] = scale · q_g · key` for each query head `g` of a group (`queries` is `[group][dim]`,
+/// `dim = key.len()`): the key is loaded once for the whole group.
+pub fn group_dots(queries: &[f32], key: &[f32], scale: f32, out: &mut [f32]) {
+    let dim = key.len();
+    let group = out.len();
+    assert!(fits(queries.len(), group.checked_mul(dim)));
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && group <= MAX_GROUP && dim.is_multiple_of(8) {
+        // SAFETY: AVX2 present; `queries` holds `group · dim` values, `key` `dim`, `out` `group`.
+        unsafe { group_dots_avx2(queries.as_ptr(), key.as_ptr(), dim, scale, out) };
+        return;
+    }
+    for (g, o) in out.iter_mut().enumerate() {
+        *o = scale * dot(&queries[g * dim..(g + 1) * dim], key);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_dots_avx2(queries: *const f32, key: *const f32, dim: usize, scale: f32, out: &mut [f32]) {
+    // SAFETY (whole body): see `group_dots`; `out.len() <= MAX_GROUP`, `dim % 8 == 0`.
+    unsafe {
+        let group = out.len();
+        let mut acc = [_mm256_setzero_ps(); MAX_GROUP];
+        for c in (0..dim).step_by(8) {
+            let k = _mm256_loadu_ps(key.add(c));
+            for (g, a) in acc.iter_mut().enumerate().take(group) {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(queries.add(g * dim + c)), k, *a);
+            }
+        }
+        for (g, o) in out.iter_mut().enumerate() {
+            *o = scale * hsum(acc[g]);
+        }
+    }
+}
+
+/// `out_g += weights[g] · value` for each query head `g` of a group (`out` is `[group][dim]`,
+/// `dim = value.len()`): the value row is loaded once for the whole group.
+pub fn group_axpy(weights: &[f32], value: &[f32], out: &mut [f32]) {
+    let dim = value.len();
+    let group = weights.len();
+    assert!(fits(out.len(), group.checked_mul(dim)));
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && dim.is_multiple_of(8) {
+        // SAFETY: AVX2 present; `value` holds `dim` values and `out` `group · dim`.
+        unsafe { group_axpy_avx2(weights, value.as_ptr(), dim, out.as_mut_ptr()) };
+        return;
+    }
+    for (g, w) in weights.iter().enumerate() {
+        axpy(*w, value, &mut out[g * dim..(g + 1) * dim]);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_axpy_avx2(weights: &[f32], value: *const f32, dim: usize, out: *mut f32) {
+    // SAFETY (whole body): see `group_axpy`; `dim % 8 == 0`.
+    unsafe {
+        for c in (0..dim).step_by(8) {
+            let v = _mm256_loadu_ps(value.add(c));
+            for (g, w) in weights.iter().enumerate() {
+                let dst = out.add(g * dim + c);
+                _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_set1_ps(*w), v, _mm256_loadu_ps(dst)));
+            }
+        }
+    }
+}
+
+/// `out_g = Σ_t weights[t][g] · values[offsets[t]..][..dim]` for each query head `g` of a group
+/// (`weights` is `[offsets.len()][group]`, `out` is `[group][dim]`, overwritten). The AVX2 path
+/// keeps a slice of every head's output in registers across all rows (up to 12 accumulators),
+/// so each value row is loaded once per slice and no partial output goes through memory.
+pub fn weighted_rows(weights: &[f32], group: usize, values: &[f32], offsets: &[usize], dim: usize, out: &mut [f32]) {
+    assert!(fits(weights.len(), offsets.len().checked_mul(group)) && fits(out.len(), group.checked_mul(dim)));
+    assert!(offsets.iter().all(|&o| fits(values.len(), o.checked_add(dim))));
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        let (w, v, o) = (weights.as_ptr(), values.as_ptr(), out.as_mut_ptr());
+        // SAFETY: AVX2 present; every row read lies in `values` and every weight in `weights`
+        // (asserted), and `out` holds `group · dim` values.
+        let done = unsafe {
+            match (group, dim % 32, dim % 16) {
+                (1, 0, _) => weighted_rows_avx2::<1, 4>(w, v, offsets, dim, o),
+                (2, 0, _) => weighted_rows_avx2::<2, 4>(w, v, offsets, dim, o),
+                (3, 0, _) => weighted_rows_avx2::<3, 4>(w, v, offsets, dim, o),
+                (4, _, 0) => weighted_rows_avx2::<4, 2>(w, v, offsets, dim, o),
+                (5, _, 0) => weighted_rows_avx2::<5, 2>(w, v, offsets, dim, o),
+                (6, _, 0) => weighted_rows_avx2::<6, 2>(w, v, offsets, dim, o),
+                _ => false,
+            }
+        };
+        if done {
+            return;
+        }
+    }
+    out[..group * dim].fill(0.0);
+    for (t, &offset) in offsets.iter().enumerate() {
+        group_axpy(&weights[t * group..(t + 1) * group], &values[offset..offset + dim], out);
+    }
+}
+
+/// `G` heads, `CV` vectors of each head's output per pass; returns true (the dispatch checked
+/// that `dim` is a multiple of `8 · CV`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted_rows_avx2<const G: usize, const CV: usize>(
+    weights: *const f32,
+    values: *const f32,
+    offsets: &[usize],
+    dim: usize,
+    out: *mut f32,
+) -> bool {
+    // SAFETY (whole body): see `weighted_rows`.
+    unsafe {
+        for slice in (0..dim).step_by(8 * CV) {
+            let mut acc = [[_mm256_setzero_ps(); CV]; G];
+            for (t, &offset) in offsets.iter().enumerate() {
+                let row = values.add(offset + slice);
+                let v: [__m256; CV] = std::array::from_fn(|c| _mm256_loadu_ps(row.add(8 * c)));
+                for (g, head) in acc.iter_mut().enumerate() {
+                    let w = _mm256_broadcast_ss(&*weights.add(t * G + g));
+                    for (a, vc) in head.iter_mut().zip(&v) {
+                        *a = _mm256_fmadd_ps(w, *vc, *a);
+                    }
+                }
+            }
+            for (g, head) in acc.iter().enumerate() {
+                for (c, a) in head.iter().enumerate() {
+                    _mm256_storeu_ps(out.add(g * dim + slice + 8 * c), *a);
+                }
+            }
+        }
+        true
+    }
+}
