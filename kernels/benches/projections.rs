@@ -53,9 +53,18 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
     // One SmolLM2-135M layer: QKV, O, gate+up, down.
     let shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
     let layers = 30;
+    // PROJECTIONS_DISTINCT=n builds only n layers' matrices and cycles through them: with 1 the
+    // weights stay in the caches, which separates the kernels' arithmetic from memory's share.
+    let distinct = std::env::var("PROJECTIONS_DISTINCT")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .filter(|&n: &usize| (1..=layers).contains(&n))
+        .unwrap_or(layers);
     // Each layer has its own matrices, as a model does: a step streams every weight from memory
     // (one set reused 30 times would stay in the caches and flatter the small batches).
-    println!("threads {threads}; one step = {layers} layers of SmolLM2-135M projections (no head)");
+    println!(
+        "threads {threads}; one step = {layers} layers of SmolLM2-135M projections (no head), {distinct} distinct"
+    );
     println!(
         "{:<6} {:<9} {:>6} {:>10} {:>10} {:>10}",
         "format", "path", "batch", "ms/step", "GB/s", "GFLOP/s"
@@ -64,7 +73,7 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
         if !formats.split(',').any(|f| f == format!("{format:?}")) {
             continue;
         }
-        let matrices: Vec<Vec<WeightMatrix>> = (0..layers)
+        let matrices: Vec<Vec<WeightMatrix>> = (0..distinct)
             .map(|_| {
                 shapes
                     .iter()
@@ -72,7 +81,7 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
                     .collect()
             })
             .collect();
-        let bytes: usize = matrices.iter().flatten().map(WeightMatrix::byte_len).sum();
+        let bytes: usize = matrices.iter().flatten().map(WeightMatrix::byte_len).sum::<usize>() * layers / distinct;
         let weights: usize = shapes.iter().map(|(r, c)| r * c).sum::<usize>() * layers;
         // PROJECTIONS_BEST_ONLY=1 skips the portable path (for a profiler).
         let paths = if std::env::var_os("PROJECTIONS_BEST_ONLY").is_some() {
@@ -88,7 +97,7 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
             let mut outputs: Vec<Vec<f32>> = shapes.iter().map(|&(rows, _)| vec![0.0; batch * rows]).collect();
             let mut step = |isa: Isa| {
                 let start = Instant::now();
-                for layer in &matrices {
+                for layer in matrices.iter().cycle().take(layers) {
                     for ((m, x), out) in layer.iter().zip(&inputs).zip(&mut outputs) {
                         m.matmul_on(isa, x, batch, out).expect("shapes match");
                     }

@@ -166,10 +166,10 @@ impl WeightMatrix {
         // Several tasks per thread so that a slow core does not hold the step up.
         let per_task = units.div_ceil(rayon::current_num_threads() * 4).max(1);
         let output = SharedOutput::new(out, batch, out_width);
-        let mut block_sums = Vec::new();
-        if path == Path::GemvQ4_1 {
-            simd::block_sums(x, self.cols, batch, self.cols, &mut block_sums);
-        }
+        let q4_1_activations = match path {
+            Path::GemvQ4_1 => simd::Q4_1Activations::new(x, self.cols, batch, self.cols),
+            _ => simd::Q4_1Activations::default(),
+        };
         (0..units.div_ceil(per_task)).into_par_iter().for_each(|task| {
             let first = task * per_task * unit;
             let last = ((task + 1) * per_task * unit).min(self.rows);
@@ -179,17 +179,7 @@ impl WeightMatrix {
                     for row in (first..last).step_by(STRIP) {
                         let rows = STRIP.min(last - row);
                         let bytes = &self.data[row * self.row_bytes..(row + rows) * self.row_bytes];
-                        simd::gemv_q4_1_avx2(
-                            bytes,
-                            self.row_bytes,
-                            rows,
-                            self.cols,
-                            x,
-                            self.cols,
-                            &block_sums,
-                            batch,
-                            &mut sums,
-                        );
+                        simd::gemv_q4_1_avx2(bytes, self.row_bytes, rows, &q4_1_activations, &mut sums);
                         output.store_columns(first_column + row, rows, &sums[..rows * batch]);
                     }
                 }

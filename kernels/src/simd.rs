@@ -24,7 +24,7 @@ use rivulet_gguf::GgmlType;
 
 mod gemv_q4_1;
 mod grouped_heads;
-pub use gemv_q4_1::{block_sums, gemv_q4_1_avx2, GEMV_Q4_1_MAX_BATCH};
+pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
 pub use grouped_heads::{group_dots, weighted_rows};
 
 /// Whether this CPU runs the AVX2 paths (detected once; `RIVULET_KERNELS_PORTABLE=1` forces the
