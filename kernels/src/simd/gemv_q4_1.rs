@@ -197,3 +197,28 @@ unsafe fn rows_times<const R: usize, const B: usize>(
         R
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::nibble_source;
+
+    /// The kernel's masks keep positions {0, 2}, {4, 6} (the bytes as loaded) and {1, 3}, {5, 7}
+    /// (shifted right by 4) per lane half: every element of a block must come out exactly once,
+    /// scaled by the power of two its position leaves it at.
+    #[test]
+    fn nibble_order_takes_every_element_once_at_its_scale() {
+        let mut seen = [false; 32];
+        for vector in 0..4 {
+            for lane in 0..8 {
+                let (element, shift) = nibble_source(vector, lane);
+                assert!(!seen[element], "element {element} comes out twice");
+                seen[element] = true;
+                // Byte `element % 16` sits at byte `element % 4` of its 32-bit lane, and the mask
+                // leaves its nibble at the low end of that byte.
+                assert_eq!(shift, 8 * (element % 16 % 4) as i32);
+                assert_eq!(lane % 4, element % 16 / 4, "a lane reads its own 4 bytes");
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
+    }
+}
