@@ -544,14 +544,25 @@ pub fn exp_in_place(x: &mut [f32]) {
     let vector_len = x.len() / 8 * 8;
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        for chunk in x[..vector_len].chunks_exact_mut(8) {
-            // SAFETY: AVX2 present; `chunk` holds 8 values.
-            unsafe { _mm256_storeu_ps(chunk.as_mut_ptr(), exp256(_mm256_loadu_ps(chunk.as_ptr()))) };
-        }
+        // SAFETY: AVX2 present; `x` holds `vector_len` values.
+        unsafe { exp_avx2(x.as_mut_ptr(), vector_len) };
         x[vector_len..].iter_mut().for_each(|v| *v = v.exp());
         return;
     }
     x.iter_mut().for_each(|v| *v = v.exp());
+}
+
+/// The loop in a `target_feature` function, so that the loads and stores inline (called from
+/// plain code, each intrinsic was a function call).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_avx2(x: *mut f32, len: usize) {
+    // SAFETY (whole body): `x` holds `len` values, a multiple of 8 (caller).
+    unsafe {
+        for i in (0..len).step_by(8) {
+            _mm256_storeu_ps(x.add(i), exp256(_mm256_loadu_ps(x.add(i))));
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
