@@ -32,6 +32,9 @@ pub struct WeightMatrix {
     cols: usize,
     row_bytes: usize,
     data: Vec<u8>,
+    /// Q4_1 on an AVX2 CPU: the same blocks rearranged for the packed path
+    /// ([`simd::Q4_1Panels`]), which then decodes without a transpose.
+    q4_1_panels: Option<simd::Q4_1Panels>,
 }
 
 impl WeightMatrix {
@@ -53,12 +56,15 @@ impl WeightMatrix {
                 got: data.len(),
             });
         }
+        let q4_1_panels = (format == GgmlType::Q4_1 && simd::has_avx2())
+            .then(|| simd::Q4_1Panels::new(&data, rows, cols / 32, row_bytes));
         Ok(Self {
             format,
             rows,
             cols,
             row_bytes,
             data,
+            q4_1_panels,
         })
     }
 
@@ -95,6 +101,12 @@ impl WeightMatrix {
     /// Bytes the weights occupy (what one step streams).
     pub fn byte_len(&self) -> usize {
         self.data.len()
+    }
+
+    /// Bytes the weights occupy in memory: the blocks, and their copy rearranged for large
+    /// batches where there is one (Q4_1 on AVX2: 1.2× the blocks).
+    pub fn resident_bytes(&self) -> usize {
+        self.data.len() + self.q4_1_panels.as_ref().map_or(0, simd::Q4_1Panels::byte_len)
     }
 
     /// Row `row` as f32 (an embedding lookup), appended to `out`.
@@ -246,6 +258,28 @@ impl WeightMatrix {
         packed.resize(PACKED_TILE * simd::PANEL, 0.0);
         let mut start = 0;
         let next_panel = first + simd::PANEL..(first + 2 * simd::PANEL).min(task_end);
+        if let Some(panels) = &self.q4_1_panels {
+            // One stream per panel, tile after tile; the next tile is fetched while this one
+            // computes. `first` is whole panels from the task's start (a multiple of PANEL).
+            let panel = first / simd::PANEL;
+            let blocks = self.cols / 32;
+            let tile_blocks = PACKED_TILE / 32;
+            for block in (0..blocks).step_by(tile_blocks) {
+                let end = (block + tile_blocks).min(blocks);
+                let next = if end < blocks {
+                    Some((panel, end..(end + tile_blocks).min(blocks)))
+                } else {
+                    (first + simd::PANEL < task_end).then_some((panel + 1, 0..tile_blocks.min(blocks)))
+                };
+                if let Some((next_panel, next_blocks)) = next {
+                    simd::prefetch(panels.blocks(next_panel, next_blocks));
+                }
+                panels.decode_avx2(panel, block..end, packed);
+                let len = (end - block) * 32;
+                simd::gemm_panel_avx2(packed, len, &x[block * 32..], self.cols, batch, sums);
+            }
+            return;
+        }
         while start < self.cols {
             let len = PACKED_TILE.min(self.cols - start);
             // The next panel's bytes for this tile, on their way while this one computes: 16 rows
