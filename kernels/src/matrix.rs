@@ -32,9 +32,9 @@ pub struct WeightMatrix {
     cols: usize,
     row_bytes: usize,
     data: Vec<u8>,
-    /// Q4_1 on an AVX2 CPU: the same blocks rearranged for the packed path
-    /// ([`simd::Q4_1Panels`]), which then decodes without a transpose.
-    q4_1_panels: Option<simd::Q4_1Panels>,
+    /// Q4_0, Q4_1 or Q8_0 on an AVX2 CPU: the same blocks rearranged for the packed path
+    /// ([`simd::Panels`]), which then decodes without a transpose.
+    panels: Option<simd::Panels>,
 }
 
 impl WeightMatrix {
@@ -56,15 +56,16 @@ impl WeightMatrix {
                 got: data.len(),
             });
         }
-        let q4_1_panels = (format == GgmlType::Q4_1 && simd::has_avx2())
-            .then(|| simd::Q4_1Panels::new(&data, rows, cols / 32, row_bytes));
+        let panels = simd::has_avx2()
+            .then(|| simd::Panels::new(format, &data, rows, cols / 32, row_bytes))
+            .flatten();
         Ok(Self {
             format,
             rows,
             cols,
             row_bytes,
             data,
-            q4_1_panels,
+            panels,
         })
     }
 
@@ -104,9 +105,9 @@ impl WeightMatrix {
     }
 
     /// Bytes the weights occupy in memory: the blocks, and their copy rearranged for large
-    /// batches where there is one (Q4_1 on AVX2: 1.2× the blocks).
+    /// batches where there is one (Q4_0, Q4_1, Q8_0 on AVX2: 1.1–1.3× the blocks).
     pub fn resident_bytes(&self) -> usize {
-        self.data.len() + self.q4_1_panels.as_ref().map_or(0, simd::Q4_1Panels::byte_len)
+        self.data.len() + self.panels.as_ref().map_or(0, simd::Panels::byte_len)
     }
 
     /// Row `row` as f32 (an embedding lookup), appended to `out`.
@@ -258,7 +259,7 @@ impl WeightMatrix {
         packed.resize(PACKED_TILE * simd::PANEL, 0.0);
         let mut start = 0;
         let next_panel = first + simd::PANEL..(first + 2 * simd::PANEL).min(task_end);
-        if let Some(panels) = &self.q4_1_panels {
+        if let Some(panels) = &self.panels {
             // One stream per panel, tile after tile; the next tile is fetched while this one
             // computes. `first` is whole panels from the task's start (a multiple of PANEL).
             let panel = first / simd::PANEL;

@@ -1,4 +1,4 @@
-//! The crate's only `unsafe` (here and in its children [`gemv_q4_1`], [`q4_1_panels`] and
+//! The crate's only `unsafe` (here and in its children [`gemv_q4_1`], [`panels`] and
 //! [`grouped_heads`]): AVX2 + FMA + F16C code paths, and the output handle that lets parallel tasks write disjoint columns of
 //! one matrix.
 //!
@@ -24,10 +24,10 @@ use rivulet_gguf::GgmlType;
 
 mod gemv_q4_1;
 mod grouped_heads;
-mod q4_1_panels;
+mod panels;
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
-pub use q4_1_panels::Q4_1Panels;
 pub use grouped_heads::{group_dots, weighted_rows};
+pub use panels::Panels;
 
 /// Whether this CPU runs the AVX2 paths (detected once; `RIVULET_KERNELS_PORTABLE=1` forces the
 /// portable code, to test and measure it).

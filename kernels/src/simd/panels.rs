@@ -1,0 +1,193 @@
+//! Q4_0, Q4_1 and Q8_0 weights rearranged at load for the packed path, so that a panel decodes
+//! straight into the layout the FMA kernel reads. Part of [`super`]'s `unsafe`, under its
+//! invariants.
+//!
+//! Why: a step of 9+ rows decodes each 16-row panel once into L1 as `[k][16]` f32 for every
+//! activation row to use. From GGUF's row-major blocks that took a decode into a row-major tile
+//! and an 8×8 transpose of it — ~12 vector instructions per 8 weights, ~30% of a 32-row step's
+//! projection time, while the FMA kernel itself runs near the machine's peak. Here one column's
+//! values of 16 rows sit in consecutive bytes and each block's scales are f32 vectors over the
+//! rows, so 8 weights cost one widening load, a mask or shift (4-bit formats), one conversion,
+//! one multiply or FMA and one store.
+//!
+//! Layout, per panel of [`PANEL`] rows (a last partial panel is padded with zero rows), block
+//! after block (32 columns each):
+//! - 4-bit (Q4_0, Q4_1): `d` of the 16 rows as f32, then the offset of the 16 rows as f32 (`m`,
+//!   or `-8·d` for Q4_0, exactly as the row decoder computes it); then for `j` in `0..16`, 16
+//!   bytes: byte `r` holds row `r`'s value `j` in its low nibble and its value `j + 16` in its
+//!   high nibble (GGUF's pairing within a block). [`Q4_BLOCK`] bytes.
+//! - Q8_0: `d` of the 16 rows as f32, then for `k` in `0..32`, 16 bytes: row `r`'s signed value
+//!   `k` in byte `r`. [`Q8_BLOCK`] bytes.
+//!
+//! Each value decodes to `q·d + offset` (4-bit) or `q·d` (Q8_0), the same arithmetic as the
+//! row-major decoder, so the packed path multiplies exactly the values it did before.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use rivulet_gguf::GgmlType;
+
+use super::{fits, has_avx2, PANEL};
+
+/// Bytes of one 16-row, 32-column block of a 4-bit panel: 32 f32 scales and 256 bytes of nibbles.
+const Q4_BLOCK: usize = 2 * PANEL * 4 + 16 * PANEL;
+
+/// Bytes of one 16-row, 32-column block of a Q8_0 panel: 16 f32 scales and 512 bytes.
+const Q8_BLOCK: usize = PANEL * 4 + 32 * PANEL;
+
+/// The kinds of panel (see the module's layout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Q4,
+    Q8,
+}
+
+/// A matrix's panels (see the module's layout).
+#[derive(Debug, Clone)]
+pub struct Panels {
+    kind: Kind,
+    bytes: Vec<u8>,
+    blocks_per_row: usize,
+}
+
+fn f16_at(bytes: &[u8], at: usize) -> f32 {
+    half::f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
+}
+
+impl Panels {
+    /// From `rows` GGUF rows of `format` (`blocks_per_row` blocks each, `row_bytes` apart in
+    /// `data`); `None` for a format without panels.
+    pub fn new(format: GgmlType, data: &[u8], rows: usize, blocks_per_row: usize, row_bytes: usize) -> Option<Self> {
+        let (kind, gguf_block, panel_block) = match format {
+            GgmlType::Q4_0 => (Kind::Q4, 18, Q4_BLOCK),
+            GgmlType::Q4_1 => (Kind::Q4, 20, Q4_BLOCK),
+            GgmlType::Q8_0 => (Kind::Q8, 34, Q8_BLOCK),
+            _ => return None,
+        };
+        let panels = rows.div_ceil(PANEL);
+        let mut bytes = vec![0u8; panels * blocks_per_row * panel_block];
+        for row in 0..rows {
+            let (panel, r) = (row / PANEL, row % PANEL);
+            for block in 0..blocks_per_row {
+                let source = &data[row * row_bytes + block * gguf_block..][..gguf_block];
+                let target = &mut bytes[(panel * blocks_per_row + block) * panel_block..][..panel_block];
+                let d = f16_at(source, 0);
+                target[4 * r..4 * r + 4].copy_from_slice(&d.to_le_bytes());
+                // After `d` (and Q4_1's `m`): 16 bytes of nibbles, or Q8_0's 32 bytes.
+                let values = if format == GgmlType::Q4_1 {
+                    &source[4..]
+                } else {
+                    &source[2..]
+                };
+                let offset = match format {
+                    GgmlType::Q4_1 => Some(f16_at(source, 2)),
+                    GgmlType::Q4_0 => Some(-8.0 * d),
+                    _ => None,
+                };
+                if let Some(offset) = offset {
+                    target[4 * (PANEL + r)..4 * (PANEL + r) + 4].copy_from_slice(&offset.to_le_bytes());
+                }
+                let values_at = if kind == Kind::Q4 { 2 * PANEL * 4 } else { PANEL * 4 };
+                for (j, &byte) in values.iter().enumerate() {
+                    target[values_at + PANEL * j + r] = byte;
+                }
+            }
+        }
+        Some(Self {
+            kind,
+            bytes,
+            blocks_per_row,
+        })
+    }
+
+    fn block_bytes(&self) -> usize {
+        match self.kind {
+            Kind::Q4 => Q4_BLOCK,
+            Kind::Q8 => Q8_BLOCK,
+        }
+    }
+
+    /// Bytes the panels occupy.
+    pub fn byte_len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// The bytes of blocks `blocks` of panel `panel` (for a prefetch).
+    pub fn blocks(&self, panel: usize, blocks: std::ops::Range<usize>) -> &[u8] {
+        let start = panel * self.blocks_per_row;
+        &self.bytes[(start + blocks.start) * self.block_bytes()..(start + blocks.end) * self.block_bytes()]
+    }
+
+    /// Writes blocks `blocks` of panel `panel`, decoded, as `packed[k * PANEL + r]` (`k` counted
+    /// from the first of those blocks' columns): the layout [`super::gemm_panel_avx2`] reads.
+    pub fn decode_avx2(&self, panel: usize, blocks: std::ops::Range<usize>, packed: &mut [f32]) {
+        assert!(has_avx2());
+        assert!(blocks.start <= blocks.end && blocks.end <= self.blocks_per_row);
+        let count = blocks.end - blocks.start;
+        assert!(fits(packed.len(), count.checked_mul(32 * PANEL)));
+        let source = self.blocks(panel, blocks);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX2 present; `source` holds `count` panel blocks of this kind and `packed`
+        // their `count · 32 · PANEL` values (asserted above).
+        unsafe {
+            match self.kind {
+                Kind::Q4 => decode_q4(source.as_ptr(), count, packed.as_mut_ptr()),
+                Kind::Q8 => decode_q8(source.as_ptr(), count, packed.as_mut_ptr()),
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_q4(source: *const u8, count: usize, packed: *mut f32) {
+    // SAFETY (whole body): `source` holds `count` blocks of Q4_BLOCK and `packed`
+    // `count · 32 · PANEL` values (caller).
+    unsafe {
+        let low_nibble = _mm256_set1_epi32(0x0F);
+        for block in 0..count {
+            let base = source.add(block * Q4_BLOCK);
+            let scales = base.cast::<f32>();
+            // Rows 0..8 and 8..16: their `d` and offset.
+            let d = [_mm256_loadu_ps(scales), _mm256_loadu_ps(scales.add(8))];
+            let offset = [_mm256_loadu_ps(scales.add(16)), _mm256_loadu_ps(scales.add(24))];
+            let nibbles = base.add(2 * PANEL * 4);
+            let out = packed.add(block * 32 * PANEL);
+            for j in 0..16 {
+                for half in 0..2 {
+                    // Row `8·half + i`'s byte in lane `i`: values j (low nibble) and j + 16 (high).
+                    let bytes = _mm_loadl_epi64(nibbles.add(PANEL * j + 8 * half).cast());
+                    let lanes = _mm256_cvtepu8_epi32(bytes);
+                    let low = _mm256_cvtepi32_ps(_mm256_and_si256(lanes, low_nibble));
+                    let high = _mm256_cvtepi32_ps(_mm256_srli_epi32(lanes, 4));
+                    let (d, offset) = (d[half], offset[half]);
+                    _mm256_storeu_ps(out.add(j * PANEL + 8 * half), _mm256_fmadd_ps(low, d, offset));
+                    _mm256_storeu_ps(out.add((j + 16) * PANEL + 8 * half), _mm256_fmadd_ps(high, d, offset));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_q8(source: *const u8, count: usize, packed: *mut f32) {
+    // SAFETY (whole body): `source` holds `count` blocks of Q8_BLOCK and `packed`
+    // `count · 32 · PANEL` values (caller).
+    unsafe {
+        for block in 0..count {
+            let base = source.add(block * Q8_BLOCK);
+            let scales = base.cast::<f32>();
+            let d = [_mm256_loadu_ps(scales), _mm256_loadu_ps(scales.add(8))];
+            let values = base.add(PANEL * 4);
+            let out = packed.add(block * 32 * PANEL);
+            for k in 0..32 {
+                for half in 0..2 {
+                    let bytes = _mm_loadl_epi64(values.add(PANEL * k + 8 * half).cast());
+                    let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+                    _mm256_storeu_ps(out.add(k * PANEL + 8 * half), _mm256_mul_ps(q, d[half]));
+                }
+            }
+        }
+    }
+}
