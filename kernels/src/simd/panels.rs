@@ -154,13 +154,12 @@ unsafe fn decode_q4(source: *const u8, count: usize, packed: *mut f32) {
             let nibbles = base.add(2 * PANEL * 4);
             let out = packed.add(block * 32 * PANEL);
             for j in 0..16 {
-                for half in 0..2 {
+                for (half, (d, offset)) in d.into_iter().zip(offset).enumerate() {
                     // Row `8·half + i`'s byte in lane `i`: values j (low nibble) and j + 16 (high).
                     let bytes = _mm_loadl_epi64(nibbles.add(PANEL * j + 8 * half).cast());
                     let lanes = _mm256_cvtepu8_epi32(bytes);
                     let low = _mm256_cvtepi32_ps(_mm256_and_si256(lanes, low_nibble));
                     let high = _mm256_cvtepi32_ps(_mm256_srli_epi32(lanes, 4));
-                    let (d, offset) = (d[half], offset[half]);
                     _mm256_storeu_ps(out.add(j * PANEL + 8 * half), _mm256_fmadd_ps(low, d, offset));
                     _mm256_storeu_ps(out.add((j + 16) * PANEL + 8 * half), _mm256_fmadd_ps(high, d, offset));
                 }
@@ -182,10 +181,10 @@ unsafe fn decode_q8(source: *const u8, count: usize, packed: *mut f32) {
             let values = base.add(PANEL * 4);
             let out = packed.add(block * 32 * PANEL);
             for k in 0..32 {
-                for half in 0..2 {
+                for (half, d) in d.into_iter().enumerate() {
                     let bytes = _mm_loadl_epi64(values.add(PANEL * k + 8 * half).cast());
                     let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-                    _mm256_storeu_ps(out.add(k * PANEL + 8 * half), _mm256_mul_ps(q, d[half]));
+                    _mm256_storeu_ps(out.add(k * PANEL + 8 * half), _mm256_mul_ps(q, d));
                 }
             }
         }
