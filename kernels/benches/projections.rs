@@ -43,6 +43,7 @@ fn main() {
     // threads, so a projection does not hand off to another thread and sleep until it is done.
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
+        .start_handler(|_| rivulet_kernels::flush_subnormals_on_this_thread())
         .build()
         .expect("a thread pool");
     pool.install(|| run(threads, &batches, &formats));

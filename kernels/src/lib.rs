@@ -8,7 +8,8 @@
 //! - `simd` (and its children in `simd/`): the crate's only `unsafe` — AVX2/FMA/F16C paths
 //!   chosen at run time, with a portable fallback for every one of them.
 //!
-//! Parallel work runs on the current rayon pool, whose threads sleep when there is none.
+//! Parallel work runs on the current rayon pool, whose threads sleep when there is none; its
+//! threads should call [`flush_subnormals_on_this_thread`] when they start (the worker's do).
 
 pub mod attention;
 pub mod matrix;
@@ -16,7 +17,7 @@ pub mod ops;
 mod simd;
 
 pub use matrix::{Isa, WeightMatrix};
-pub use simd::has_avx2;
+pub use simd::{flush_subnormals_on_this_thread, has_avx2};
 
 use rivulet_gguf::GgmlType;
 

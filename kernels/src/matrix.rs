@@ -1,11 +1,15 @@
 //! A weight matrix kept in its GGUF blocks, and `x · Wᵀ` for f32 activations.
 //!
-//! Each task owns a strip of 4 weight rows at a time. It decodes a tile of those rows (at most
-//! [`TILE`] values of each) into an L1-resident f32 buffer — exactly GGUF's dequantization — and
-//! multiplies it against every activation row of the step, two rows at a time in registers. So a
-//! weight is read from memory once per step and decoded once per step whatever the batch, and the
-//! inner loop is the same FMA kernel for every format: one activation row (decode of one
-//! sequence) is bound by reading the quantized bytes, 32 rows (a full decode batch) by the FMAs.
+//! Up to 8 activation rows (decoding sequences), each block is decoded in registers and used at
+//! once (the GEMV paths in `simd`): bound by the instructions per weight, close to reading the
+//! quantized bytes. From 9 rows on (full decode batches, prefill chunks) each task decodes a
+//! panel of 16 weight rows, a tile of columns at a time, into an L1-resident `[k][16]` f32
+//! buffer — exactly GGUF's dequantization — and a register-blocked FMA kernel multiplies it
+//! against every activation row, so each weight is read and decoded once per step whatever the
+//! batch. Q4_0, Q4_1 and Q8_0 keep a copy of their blocks rearranged by panel at load
+//! (`simd::Panels`, ~1.1–1.2× the blocks' bytes), which decodes into that buffer with no
+//! transpose; other formats decode row by row and transpose. The portable path decodes 4 rows
+//! of [`TILE`] values at a time and multiplies them in plain Rust.
 
 use rayon::prelude::*;
 use rivulet_gguf::dequant::dequantize_append;

@@ -49,6 +49,31 @@ pub fn has_avx2() -> bool {
     })
 }
 
+/// Makes this thread's f32 arithmetic treat subnormal inputs and results as zero (x86's MXCSR
+/// flags DAZ and FTZ; nothing elsewhere).
+///
+/// Why: a subnormal operand or result costs a microcode assist of ~100 cycles per instruction.
+/// Serving, SiLU of a strongly negative gate gives values around 1e-30, which the Q4_1 GEMV's
+/// exact `2^-24` rescaling ([`gemv_q4_1`]) turns subnormal: one decoding stream's step measured
+/// 7.1 ms with them and 6.1 ms flushed. What is lost is below 2^-126 in magnitude: next to any
+/// weight times a normal activation it is far under half an ulp of the sum, so no logit moves.
+pub fn flush_subnormals_on_this_thread() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // DAZ (bit 6) and FTZ (bit 15).
+        const FLUSH: u32 = 0x8040;
+        let mut csr = 0u32;
+        // SAFETY: `stmxcsr` stores the 32-bit control register into `csr`, a live local;
+        // `ldmxcsr` loads it back with two mode bits set (every x86_64 CPU has both), which
+        // changes only how this thread rounds subnormals.
+        unsafe {
+            std::arch::asm!("stmxcsr [{}]", in(reg) &mut csr, options(nostack, preserves_flags));
+            csr |= FLUSH;
+            std::arch::asm!("ldmxcsr [{}]", in(reg) &csr, options(nostack, readonly, preserves_flags));
+        }
+    }
+}
+
 /// Whether `needed` (a length computed with checked arithmetic) exists and is at most `len`: the
 /// bounds asserts below use it so that no overflowing product can let one pass by wrapping.
 fn fits(len: usize, needed: Option<usize>) -> bool {
@@ -668,5 +693,26 @@ impl<'a> SharedOutput<'a> {
                 unsafe { *self.ptr.add(b * self.columns + first + r) = values[r * self.batch + b] };
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::hint::black_box;
+
+    /// On a thread that asked for it, a product below the normal range is zero and a subnormal
+    /// operand counts as zero; normal arithmetic is untouched.
+    #[test]
+    fn flushing_zeroes_subnormals_only() {
+        std::thread::spawn(|| {
+            let tiny = black_box(f32::MIN_POSITIVE);
+            assert!(tiny * black_box(0.5) > 0.0, "subnormals exist before");
+            super::flush_subnormals_on_this_thread();
+            assert_eq!(tiny * black_box(0.5), 0.0);
+            assert_eq!(black_box(f32::from_bits(1)) * black_box(2f32.powi(100)), 0.0);
+            assert_eq!(black_box(1.5f32) * black_box(3.0), 4.5);
+        })
+        .join()
+        .expect("the flushing thread");
     }
 }
