@@ -6,9 +6,9 @@
 //! panel of 16 weight rows, a tile of columns at a time, into an L1-resident `[k][16]` f32
 //! buffer — exactly GGUF's dequantization — and a register-blocked FMA kernel multiplies it
 //! against every activation row, so each weight is read and decoded once per step whatever the
-//! batch. Q4_0, Q4_1 and Q8_0 keep a copy of their blocks rearranged by panel at load
-//! (`simd::Panels`, ~1.1–1.2× the blocks' bytes), which decodes into that buffer with no
-//! transpose; other formats decode row by row and transpose. The portable path decodes 4 rows
+//! batch. Q4_0, Q4_1 and Q8_0 can keep a copy of their blocks rearranged by panel
+//! ([`WeightMatrix::with_panels`], ~1.1–1.2× the blocks' bytes), which decodes into that buffer
+//! with no transpose; otherwise the rows decode one by one and are transposed. The portable path decodes 4 rows
 //! of [`TILE`] values at a time and multiplies them in plain Rust.
 
 use rayon::prelude::*;
@@ -60,16 +60,13 @@ impl WeightMatrix {
                 got: data.len(),
             });
         }
-        let panels = simd::has_avx2()
-            .then(|| simd::Panels::new(format, &data, rows, cols / 32, row_bytes))
-            .flatten();
         Ok(Self {
             format,
             rows,
             cols,
             row_bytes,
             data,
-            panels,
+            panels: None,
         })
     }
 
@@ -109,9 +106,25 @@ impl WeightMatrix {
     }
 
     /// Bytes the weights occupy in memory: the blocks, and their copy rearranged for large
-    /// batches where there is one (Q4_0, Q4_1, Q8_0 on AVX2: 1.1–1.3× the blocks).
+    /// batches if [`Self::with_panels`] made one.
     pub fn resident_bytes(&self) -> usize {
         self.data.len() + self.panels.as_ref().map_or(0, simd::Panels::byte_len)
+    }
+
+    /// Whether the matrix keeps panels.
+    pub fn has_panels(&self) -> bool {
+        self.panels.is_some()
+    }
+
+    /// Keeps, beside the blocks, a copy rearranged by panels of 16 rows that steps of 9+ rows
+    /// decode with no transpose (`simd::Panels`; ~1.2× the blocks' bytes for Q4_0 and Q4_1,
+    /// ~1.06× for Q8_0): 1.2–1.6× faster projections at 16–64 rows. Only Q4_0, Q4_1 and Q8_0 on
+    /// an AVX2 CPU have them; anything else is returned as it was.
+    pub fn with_panels(mut self) -> Self {
+        if self.panels.is_none() && simd::has_avx2() {
+            self.panels = simd::Panels::new(self.format, &self.data, self.rows, self.cols / 32, self.row_bytes);
+        }
+        self
     }
 
     /// Row `row` as f32 (an embedding lookup), appended to `out`.

@@ -48,6 +48,20 @@ fn random_matrix(rng: &mut StdRng, format: GgmlType, rows: usize, cols: usize) -
 
 fn check(rng: &mut StdRng, format: GgmlType, rows: usize, cols: usize, batch: usize) {
     let matrix = random_matrix(rng, format, rows, cols);
+    check_matrix(rng, &matrix, batch);
+    // The same values through the panels (the packed path's other decoder, 9+ rows).
+    let with_panels = matrix.with_panels();
+    if matches!(format, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) && Isa::best() == Isa::Avx2 {
+        assert!(with_panels.has_panels());
+        assert!(with_panels.resident_bytes() > with_panels.byte_len());
+    }
+    check_matrix(rng, &with_panels, batch);
+}
+
+/// `matrix · x` for a random `x` of `batch` rows, on every code path, against an f64 product of
+/// the dequantized values.
+fn check_matrix(rng: &mut StdRng, matrix: &WeightMatrix, batch: usize) {
+    let (format, rows, cols) = (matrix.format(), matrix.rows(), matrix.cols());
     let dense = matrix.dequantize();
     let x: Vec<f32> = (0..batch * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
     for isa in [Isa::best(), Isa::Portable] {

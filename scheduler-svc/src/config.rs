@@ -93,6 +93,11 @@ pub struct WorkerConfig {
     /// GGUF blocks; for comparison. Spawned workers only (an attached worker takes
     /// `--libtorch-cpu` on its own command line).
     pub libtorch_cpu: bool,
+    /// CPU kernels: keep a second copy of the Q4_0/Q4_1/Q8_0 weights arranged for steps of 9+
+    /// tokens (full decode batches, prefill chunks), which then decode without a transpose:
+    /// 1.2–1.6× faster projections there, ~1.2× the weights' memory. Spawned workers (an attached
+    /// worker takes `--no-batch-weight-copy` on its own command line).
+    pub batch_weight_copy: bool,
     /// Seconds to wait for the worker to load its model and report ready.
     pub startup_timeout_secs: u64,
     /// Seconds one iteration may take before the worker is declared hung.
@@ -165,6 +170,7 @@ impl Default for Config {
                 threads: None,
                 half_precision_gemv: false,
                 libtorch_cpu: false,
+                batch_weight_copy: true,
                 startup_timeout_secs: 300,
                 step_timeout_secs: 120,
             },

@@ -67,6 +67,8 @@ pub struct WorkerLaunch {
     pub json_logs: bool,
     /// `worker.libtorch_cpu`: spawned CPU workers run libtorch's forward pass, not the kernels.
     pub libtorch_cpu: bool,
+    /// `worker.batch_weight_copy`.
+    pub batch_weight_copy: bool,
 }
 
 impl WorkerLaunch {
@@ -107,6 +109,7 @@ impl WorkerLaunch {
             max_num_seqs: config.scheduler.max_num_seqs,
             json_logs: config.server.json_logs,
             libtorch_cpu: worker.libtorch_cpu,
+            batch_weight_copy: worker.batch_weight_copy,
         }
     }
 }
@@ -226,6 +229,9 @@ impl WorkerClient {
         }
         if launch.libtorch_cpu {
             command.arg("--libtorch-cpu");
+        }
+        if !launch.batch_weight_copy {
+            command.arg("--no-batch-weight-copy");
         }
         command.env("RIVULET_SERVER__JSON_LOGS", launch.json_logs.to_string());
         let child = command.spawn().map_err(|source| WorkerClientError::Spawn {

@@ -91,5 +91,6 @@ pub fn options(assignment: &AttachAssignment, device: String, threads: Option<us
         threads: threads.or(assignment.threads.map(|t| t as usize)),
         half_precision_gemv: assignment.half_precision_gemv,
         libtorch_cpu: false,
+        batch_weight_copy: true,
     }
 }

@@ -53,6 +53,13 @@ impl Projection {
     fn byte_len(&self) -> usize {
         self.parts.iter().map(WeightMatrix::byte_len).sum()
     }
+
+    fn add_panels(&mut self) {
+        self.parts = std::mem::take(&mut self.parts)
+            .into_iter()
+            .map(WeightMatrix::with_panels)
+            .collect();
+    }
 }
 
 pub struct CpuLayer {
@@ -180,6 +187,35 @@ impl CpuWeights {
             .map(|l| l.qkv.byte_len() + l.o.byte_len() + l.gate_up.byte_len() + l.down.byte_len())
             .sum();
         layers + self.lm_head.as_ref().unwrap_or(&self.token_embedding).byte_len()
+    }
+
+    /// Keeps a copy of every projection and of the head arranged for steps of 9+ tokens
+    /// ([`WeightMatrix::with_panels`]: Q4_0, Q4_1 and Q8_0; ~1.2× their bytes); returns the bytes
+    /// the weights now take.
+    pub fn add_panels(&mut self) -> usize {
+        for layer in &mut self.layers {
+            for projection in [&mut layer.qkv, &mut layer.o, &mut layer.gate_up, &mut layer.down] {
+                projection.add_panels();
+            }
+        }
+        match &mut self.lm_head {
+            Some(head) => *head = head.clone().with_panels(),
+            None => self.token_embedding = self.token_embedding.clone().with_panels(),
+        }
+        self.resident_bytes()
+    }
+
+    /// Bytes the weights take in memory (blocks, panels where kept, norms aside).
+    pub fn resident_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down])
+            .flat_map(|p| &p.parts)
+            .map(WeightMatrix::resident_bytes)
+            .sum();
+        let head = self.lm_head.as_ref().map_or(0, WeightMatrix::resident_bytes);
+        layers + head + self.token_embedding.resident_bytes()
     }
 }
 

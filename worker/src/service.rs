@@ -39,6 +39,9 @@ pub struct WorkerOptions {
     pub half_precision_gemv: bool,
     /// On the CPU, run libtorch's forward pass instead of Rivulet's kernels (for comparison).
     pub libtorch_cpu: bool,
+    /// CPU kernels: keep a copy of the weights arranged for steps of 9+ tokens
+    /// ([`CpuWeights::add_panels`]).
+    pub batch_weight_copy: bool,
 }
 
 /// What runs the forward pass.
@@ -105,10 +108,21 @@ impl Worker {
         let kv_memory = options.kv_cache_memory.resolve(device)?;
         let block_size = options.block_size;
         let engine = match weights {
-            LoadedWeights::Kernels(weights) => Engine::Kernels {
-                kv_cache: HostKvCache::allocate(&config, block_size, kv_memory, max_model_len)?,
-                model: CpuModel::new(config.clone(), weights, max_model_len, threads)?,
-            },
+            LoadedWeights::Kernels(mut weights) => {
+                if options.batch_weight_copy {
+                    let blocks = weights.resident_bytes();
+                    let resident = weights.add_panels();
+                    tracing::info!(
+                        blocks_mb = blocks >> 20,
+                        with_copy_mb = resident >> 20,
+                        "weights also arranged for batches of 9+ tokens (worker.batch_weight_copy)"
+                    );
+                }
+                Engine::Kernels {
+                    kv_cache: HostKvCache::allocate(&config, block_size, kv_memory, max_model_len)?,
+                    model: CpuModel::new(config.clone(), weights, max_model_len, threads)?,
+                }
+            }
             LoadedWeights::Torch(weights) => {
                 let kv_cache = KvCache::allocate(&config, block_size, kv_memory, max_model_len, device, kind)?;
                 let mut model = LlamaModel::new(config.clone(), weights, max_model_len, device, kind);
