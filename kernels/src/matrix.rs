@@ -8,8 +8,8 @@
 //! against every activation row, so each weight is read and decoded once per step whatever the
 //! batch. Q4_0, Q4_1 and Q8_0 can keep a copy of their blocks rearranged by panel
 //! ([`WeightMatrix::with_panels`], ~1.1–1.2× the blocks' bytes), which decodes into that buffer
-//! with no transpose; otherwise the rows decode one by one and are transposed. The portable path decodes 4 rows
-//! of [`TILE`] values at a time and multiplies them in plain Rust.
+//! with no transpose; otherwise the rows decode one by one and are transposed. The portable path
+//! decodes 4 rows of [`TILE`] values at a time and multiplies them in plain Rust.
 
 use rayon::prelude::*;
 use rivulet_gguf::dequant::dequantize_append;
@@ -36,8 +36,8 @@ pub struct WeightMatrix {
     cols: usize,
     row_bytes: usize,
     data: Vec<u8>,
-    /// Q4_0, Q4_1 or Q8_0 on an AVX2 CPU: the same blocks rearranged for the packed path
-    /// ([`simd::Panels`]), which then decodes without a transpose.
+    /// The same blocks rearranged for the packed path ([`simd::Panels`]), which then decodes
+    /// without a transpose; made by [`Self::with_panels`] (Q4_0, Q4_1, Q8_0 on an AVX2 CPU).
     panels: Option<simd::Panels>,
 }
 
@@ -274,30 +274,12 @@ impl WeightMatrix {
         sums.resize(batch * simd::PANEL, 0.0);
         tile.resize(simd::PANEL * PACKED_TILE, 0.0);
         packed.resize(PACKED_TILE * simd::PANEL, 0.0);
-        let mut start = 0;
-        let next_panel = first + simd::PANEL..(first + 2 * simd::PANEL).min(task_end);
         if let Some(panels) = &self.panels {
-            // One stream per panel, tile after tile; the next tile is fetched while this one
-            // computes. `first` is whole panels from the task's start (a multiple of PANEL).
-            let panel = first / simd::PANEL;
-            let blocks = self.cols / 32;
-            let tile_blocks = PACKED_TILE / 32;
-            for block in (0..blocks).step_by(tile_blocks) {
-                let end = (block + tile_blocks).min(blocks);
-                let next = if end < blocks {
-                    Some((panel, end..(end + tile_blocks).min(blocks)))
-                } else {
-                    (first + simd::PANEL < task_end).then_some((panel + 1, 0..tile_blocks.min(blocks)))
-                };
-                if let Some((next_panel, next_blocks)) = next {
-                    simd::prefetch(panels.blocks(next_panel, next_blocks));
-                }
-                panels.decode_avx2(panel, block..end, packed);
-                let len = (end - block) * 32;
-                simd::gemm_panel_avx2(packed, len, &x[block * 32..], self.cols, batch, sums);
-            }
+            self.product_from_panels(panels, first, task_end, x, batch, sums, packed);
             return;
         }
+        let mut start = 0;
+        let next_panel = first + simd::PANEL..(first + 2 * simd::PANEL).min(task_end);
         while start < self.cols {
             let len = PACKED_TILE.min(self.cols - start);
             // The next panel's bytes for this tile, on their way while this one computes: 16 rows
@@ -317,6 +299,40 @@ impl WeightMatrix {
             simd::pack_panel_avx2(tile, PACKED_TILE, len, packed);
             simd::gemm_panel_avx2(packed, len, &x[start..], self.cols, batch, sums);
             start += len;
+        }
+    }
+
+    /// [`Self::panel_product`] from the panels: each tile of [`PACKED_TILE`] columns decodes
+    /// straight into `packed`. A panel's blocks are one stream, tile after tile; the next tile
+    /// (or the task's next panel's first) is fetched while this one computes.
+    #[allow(clippy::too_many_arguments)]
+    fn product_from_panels(
+        &self,
+        panels: &simd::Panels,
+        first: usize,
+        task_end: usize,
+        x: &[f32],
+        batch: usize,
+        sums: &mut [f32],
+        packed: &mut [f32],
+    ) {
+        // Tasks start on whole panels (`first` is a multiple of PANEL).
+        let panel = first / simd::PANEL;
+        let blocks = self.cols / 32;
+        let tile_blocks = PACKED_TILE / 32;
+        for block in (0..blocks).step_by(tile_blocks) {
+            let end = (block + tile_blocks).min(blocks);
+            let next = if end < blocks {
+                Some((panel, end..(end + tile_blocks).min(blocks)))
+            } else {
+                (first + simd::PANEL < task_end).then_some((panel + 1, 0..tile_blocks.min(blocks)))
+            };
+            if let Some((next_panel, next_blocks)) = next {
+                simd::prefetch(panels.blocks(next_panel, next_blocks));
+            }
+            panels.decode_avx2(panel, block..end, packed);
+            let len = (end - block) * 32;
+            simd::gemm_panel_avx2(packed, len, &x[block * 32..], self.cols, batch, sums);
         }
     }
 
