@@ -118,7 +118,7 @@ impl WeightMatrix {
 
     /// Keeps, beside the blocks, a copy rearranged by panels of 16 rows that steps of 9+ rows
     /// decode with no transpose (`simd::Panels`; ~1.2× the blocks' bytes for Q4_0 and Q4_1,
-    /// ~1.06× for Q8_0): 1.2–1.6× faster projections at 16–64 rows. Only Q4_0, Q4_1 and Q8_0 on
+    /// ~1.06× for Q8_0): ~1.2× faster projections at 16–32 rows, ~1.1× at 64. Only Q4_0, Q4_1 and Q8_0 on
     /// an AVX2 CPU have them; anything else is returned as it was.
     pub fn with_panels(mut self) -> Self {
         if self.panels.is_none() && simd::has_avx2() {

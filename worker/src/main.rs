@@ -56,7 +56,7 @@ struct Args {
     #[arg(long)]
     libtorch_cpu: bool,
     /// CPU kernels: keep only the GGUF blocks, without the copy arranged for steps of 9+ tokens
-    /// (which takes ~1.2× the Q4_0/Q4_1/Q8_0 weights' memory and makes those steps 1.2–1.6×
+    /// (which takes ~1.2× the Q4_0/Q4_1/Q8_0 weights' memory and makes their projections ~1.1–1.2×
     /// faster). The scheduler passes it when `worker.batch_weight_copy` is false.
     #[arg(long)]
     no_batch_weight_copy: bool,
