@@ -22,13 +22,12 @@ fn random_matrix(rng: &mut StdRng, format: GgmlType, rows: usize, cols: usize) -
             block[2..4].copy_from_slice(&half::f16::from_f32(-0.05).to_le_bytes());
         }
     }
-    let matrix = WeightMatrix::new(format, rows, cols, data).expect("well-formed");
+    let mut matrix = WeightMatrix::new(format, rows, cols, data).expect("well-formed");
     // As the worker keeps them, unless PROJECTIONS_NO_PANELS=1 (to time the row-by-row decode).
-    if std::env::var_os("PROJECTIONS_NO_PANELS").is_some() {
-        matrix
-    } else {
-        matrix.with_panels()
+    if std::env::var_os("PROJECTIONS_NO_PANELS").is_none() {
+        matrix.add_panels();
     }
+    matrix
 }
 
 fn main() {

@@ -7,7 +7,7 @@
 //! buffer — exactly GGUF's dequantization — and a register-blocked FMA kernel multiplies it
 //! against every activation row, so each weight is read and decoded once per step whatever the
 //! batch. Q4_0, Q4_1 and Q8_0 can keep a copy of their blocks rearranged by panel
-//! ([`WeightMatrix::with_panels`], ~1.1–1.2× the blocks' bytes), which decodes into that buffer
+//! ([`WeightMatrix::add_panels`], ~1.1–1.2× the blocks' bytes), which decodes into that buffer
 //! with no transpose; otherwise the rows decode one by one and are transposed. The portable path
 //! decodes 4 rows of [`TILE`] values at a time and multiplies them in plain Rust.
 
@@ -37,7 +37,7 @@ pub struct WeightMatrix {
     row_bytes: usize,
     data: Vec<u8>,
     /// The same blocks rearranged for the packed path ([`simd::Panels`]), which then decodes
-    /// without a transpose; made by [`Self::with_panels`] (Q4_0, Q4_1, Q8_0 on an AVX2 CPU).
+    /// without a transpose; made by [`Self::add_panels`] (Q4_0, Q4_1, Q8_0 on an AVX2 CPU).
     panels: Option<simd::Panels>,
 }
 
@@ -106,7 +106,7 @@ impl WeightMatrix {
     }
 
     /// Bytes the weights occupy in memory: the blocks, and their copy rearranged for large
-    /// batches if [`Self::with_panels`] made one.
+    /// batches if [`Self::add_panels`] made one.
     pub fn resident_bytes(&self) -> usize {
         self.data.len() + self.panels.as_ref().map_or(0, simd::Panels::byte_len)
     }
@@ -118,13 +118,12 @@ impl WeightMatrix {
 
     /// Keeps, beside the blocks, a copy rearranged by panels of 16 rows that steps of 9+ rows
     /// decode with no transpose (`simd::Panels`; ~1.2× the blocks' bytes for Q4_0 and Q4_1,
-    /// ~1.06× for Q8_0): ~1.2× faster projections at 16–32 rows, ~1.1× at 64. Only Q4_0, Q4_1 and Q8_0 on
-    /// an AVX2 CPU have them; anything else is returned as it was.
-    pub fn with_panels(mut self) -> Self {
+    /// ~1.06× for Q8_0): ~1.2× faster projections at 16–32 rows, ~1.1× at 64. Only Q4_0, Q4_1
+    /// and Q8_0 on an AVX2 CPU have them; for anything else this does nothing.
+    pub fn add_panels(&mut self) {
         if self.panels.is_none() && simd::has_avx2() {
             self.panels = simd::Panels::new(self.format, &self.data, self.rows, self.cols / 32, self.row_bytes);
         }
-        self
     }
 
     /// Row `row` as f32 (an embedding lookup), appended to `out`.
@@ -272,12 +271,12 @@ impl WeightMatrix {
         } = scratch;
         sums.clear();
         sums.resize(batch * simd::PANEL, 0.0);
-        tile.resize(simd::PANEL * PACKED_TILE, 0.0);
         packed.resize(PACKED_TILE * simd::PANEL, 0.0);
         if let Some(panels) = &self.panels {
             self.product_from_panels(panels, first, task_end, x, batch, sums, packed);
             return;
         }
+        tile.resize(simd::PANEL * PACKED_TILE, 0.0);
         let mut start = 0;
         let next_panel = first + simd::PANEL..(first + 2 * simd::PANEL).min(task_end);
         while start < self.cols {

@@ -1,6 +1,6 @@
 //! The crate's only `unsafe` (here and in its children [`gemv_q4_1`], [`panels`] and
-//! [`grouped_heads`]): AVX2 + FMA + F16C code paths, and the output handle that lets parallel tasks write disjoint columns of
-//! one matrix.
+//! [`grouped_heads`]): AVX2 + FMA + F16C code paths, and the output handle that lets parallel
+//! tasks write disjoint columns of one matrix.
 //!
 //! Invariants, checked where each function is entered from safe code:
 //! - Every `#[target_feature]` function is called only after [`has_avx2`] returned true (the

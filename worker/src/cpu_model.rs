@@ -55,10 +55,7 @@ impl Projection {
     }
 
     fn add_panels(&mut self) {
-        self.parts = std::mem::take(&mut self.parts)
-            .into_iter()
-            .map(WeightMatrix::with_panels)
-            .collect();
+        self.parts.iter_mut().for_each(WeightMatrix::add_panels);
     }
 }
 
@@ -190,7 +187,7 @@ impl CpuWeights {
     }
 
     /// Keeps a copy of every projection and of the head arranged for steps of 9+ tokens
-    /// ([`WeightMatrix::with_panels`]: Q4_0, Q4_1 and Q8_0; ~1.2× their bytes); returns the bytes
+    /// ([`WeightMatrix::add_panels`]: Q4_0, Q4_1 and Q8_0; ~1.2× their bytes); returns the bytes
     /// the weights now take.
     pub fn add_panels(&mut self) -> usize {
         for layer in &mut self.layers {
@@ -198,10 +195,7 @@ impl CpuWeights {
                 projection.add_panels();
             }
         }
-        match &mut self.lm_head {
-            Some(head) => *head = head.clone().with_panels(),
-            None => self.token_embedding = self.token_embedding.clone().with_panels(),
-        }
+        self.lm_head.as_mut().unwrap_or(&mut self.token_embedding).add_panels();
         self.resident_bytes()
     }
 

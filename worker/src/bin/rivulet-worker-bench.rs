@@ -113,7 +113,12 @@ fn main() -> anyhow::Result<()> {
     let mut runs: Vec<(String, Box<dyn BenchEngine>, f64)> = Vec::new();
     if engines == "kernels" || engines == "both" {
         let threads = tch::get_num_threads() as usize;
-        let weights = CpuWeights::from_gguf(&file, &config)?;
+        let mut weights = CpuWeights::from_gguf(&file, &config)?;
+        // As the worker keeps them by default (`worker.batch_weight_copy`);
+        // RIVULET_BENCH_NO_WEIGHT_COPY=1 measures the blocks alone.
+        if std::env::var_os("RIVULET_BENCH_NO_WEIGHT_COPY").is_none() {
+            weights.add_panels();
+        }
         let weight_bytes = weights.projection_bytes() as f64;
         let model = CpuModel::new(config.clone(), weights, 2048, threads)?;
         let cache = HostKvCache::allocate(&config, BLOCK_SIZE as usize, bytes, 1024)?;
