@@ -93,7 +93,7 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
         let paths = if std::env::var_os("PROJECTIONS_BEST_ONLY").is_some() {
             vec![Isa::best()]
         } else {
-            vec![Isa::best(), Isa::Portable]
+            Isa::available()
         };
         for &batch in batches {
             let inputs: Vec<Vec<f32>> = shapes

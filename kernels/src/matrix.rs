@@ -177,20 +177,32 @@ impl WeightMatrix {
         if batch == 0 || self.rows == 0 {
             return Ok(());
         }
-        // Small batches decode each block in registers and use it at once (`Gemv`; one or two
-        // rows against Q4_1 with the block minimum factored out, `GemvQ4_1`); larger ones
+        // Small batches decode each block in registers and use it at once: from the panels
+        // with AVX-512 (`PanelGemv`), else from the row-major blocks (`Gemv`; one or two rows
+        // against Q4_1 with the block minimum factored out, `GemvQ4_1`); larger ones
         // decode a panel of rows once into L1, transposed, and run a register-blocked kernel
         // over every activation row (`Packed`); `Portable` is the same idea in plain Rust.
         let whole_blocks = self.cols.is_multiple_of(32);
         let path = match isa {
-            Isa::Avx2 if batch <= simd::GEMV_Q4_1_MAX_BATCH && self.format == GgmlType::Q4_1 && whole_blocks => {
+            Isa::Avx512 if self.panels.is_some() => Path::PanelGemv,
+            Isa::Avx2 | Isa::Avx512
+                if batch <= simd::GEMV_Q4_1_MAX_BATCH && self.format == GgmlType::Q4_1 && whole_blocks =>
+            {
                 Path::GemvQ4_1
             }
-            Isa::Avx2 if batch <= simd::GEMV_MAX_BATCH && simd::gemv_decodes(self.format) && whole_blocks => Path::Gemv,
-            Isa::Avx2 => Path::Packed,
+            Isa::Avx2 | Isa::Avx512
+                if batch <= simd::GEMV_MAX_BATCH && simd::gemv_decodes(self.format) && whole_blocks =>
+            {
+                Path::Gemv
+            }
+            Isa::Avx2 | Isa::Avx512 => Path::Packed,
             Isa::Portable => Path::Portable,
         };
-        let unit = if path == Path::Packed { simd::PANEL } else { STRIP };
+        let unit = if matches!(path, Path::Packed | Path::PanelGemv) {
+            simd::PANEL
+        } else {
+            STRIP
+        };
         let units = self.rows.div_ceil(unit);
         // Several tasks per thread so that a slow core does not hold the step up.
         let per_task = units.div_ceil(rayon::current_num_threads() * 4).max(1);
@@ -198,6 +210,10 @@ impl WeightMatrix {
         let q4_1_activations = match path {
             Path::GemvQ4_1 => simd::Q4_1Activations::new(x, self.cols, batch, self.cols),
             _ => simd::Q4_1Activations::default(),
+        };
+        let block_sums = match path {
+            Path::PanelGemv => simd::block_sums(x, self.cols, batch, self.cols),
+            _ => Vec::new(),
         };
         (0..units.div_ceil(per_task)).into_par_iter().for_each(|task| {
             let first = task * per_task * unit;
@@ -231,6 +247,24 @@ impl WeightMatrix {
                         output.store_columns(first_column + row, rows, &sums[..rows * batch]);
                     }
                 }
+                Path::PanelGemv => SCRATCH.with_borrow_mut(|scratch| {
+                    scratch.sums.resize(batch * simd::PANEL, 0.0);
+                    // `PanelGemv` is chosen only where panels exist.
+                    if let Some(panels) = &self.panels {
+                        for panel in (first..last).step_by(simd::PANEL) {
+                            let rows = simd::PANEL.min(last - panel);
+                            panels.product_avx512(
+                                panel / simd::PANEL,
+                                x,
+                                self.cols,
+                                &block_sums,
+                                batch,
+                                &mut scratch.sums,
+                            );
+                            output.store_rows(first_column + panel, rows, &scratch.sums, simd::PANEL);
+                        }
+                    }
+                }),
                 Path::Packed => SCRATCH.with_borrow_mut(|scratch| {
                     for panel in (first..last).step_by(simd::PANEL) {
                         let rows = simd::PANEL.min(last - panel);
@@ -340,7 +374,7 @@ impl WeightMatrix {
         let len = dst.len();
         let byte_range = self.row_bytes * start / self.cols..self.row_bytes * (start + len) / self.cols;
         let bytes = &self.data[row * self.row_bytes..(row + 1) * self.row_bytes][byte_range];
-        if isa == Isa::Avx2 && simd::avx2_decodes(self.format) && len.is_multiple_of(8) {
+        if isa != Isa::Portable && simd::avx2_decodes(self.format) && len.is_multiple_of(8) {
             simd::decode_avx2(self.format, bytes, dst);
         } else {
             decoded.clear();
@@ -383,6 +417,9 @@ impl WeightMatrix {
 /// A code path of the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
+    /// AVX-512F on top of [`Isa::Avx2`]: products straight from the panels, decoded in
+    /// registers (`simd::panel_gemv`), where a matrix keeps them; the AVX2 paths otherwise.
+    Avx512,
     /// AVX2 + FMA + F16C, chosen at run time where the CPU has them.
     Avx2,
     /// Plain Rust that the compiler vectorizes for the baseline target.
@@ -392,11 +429,19 @@ pub enum Isa {
 impl Isa {
     /// The fastest path this CPU runs.
     pub fn best() -> Self {
-        if simd::has_avx2() {
-            Self::Avx2
-        } else {
-            Self::Portable
-        }
+        Self::available()[0]
+    }
+
+    /// Every path this CPU runs, fastest first (tests and benchmarks compare them).
+    pub fn available() -> Vec<Self> {
+        [
+            (simd::has_avx512(), Self::Avx512),
+            (simd::has_avx2(), Self::Avx2),
+            (true, Self::Portable),
+        ]
+        .into_iter()
+        .filter_map(|(present, isa)| present.then_some(isa))
+        .collect()
     }
 }
 
@@ -415,6 +460,7 @@ struct Scratch {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Path {
+    PanelGemv,
     GemvQ4_1,
     Gemv,
     Packed,

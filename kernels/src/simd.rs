@@ -1,10 +1,11 @@
-//! The crate's only `unsafe` (here and in its children [`gemv_q4_1`], [`panels`] and
-//! [`grouped_heads`]): AVX2 + FMA + F16C code paths, and the output handle that lets parallel
-//! tasks write disjoint columns of one matrix.
+//! The crate's only `unsafe` (here and in its children [`gemv_q4_1`], [`panels`],
+//! [`panel_gemv`] and [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F one, and the
+//! output handle that lets parallel tasks write disjoint columns of one matrix.
 //!
 //! Invariants, checked where each function is entered from safe code:
-//! - Every `#[target_feature]` function is called only after [`has_avx2`] returned true (the
-//!   safe wrappers check it), so the instructions exist on this CPU.
+//! - Every `#[target_feature]` function is called only after [`has_avx2`] (for `avx512f`
+//!   functions, [`has_avx512`]) returned true (the safe wrappers check it), so the instructions
+//!   exist on this CPU.
 //! - Every pointer read or written lies inside a slice whose length was checked against the
 //!   loop bounds before the loop (the `assert!`s at the top of each safe wrapper); loads and
 //!   stores are unaligned (`loadu`/`storeu`), so no alignment is assumed.
@@ -24,9 +25,11 @@ use rivulet_gguf::GgmlType;
 
 mod gemv_q4_1;
 mod grouped_heads;
+mod panel_gemv;
 mod panels;
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
 pub use grouped_heads::{group_dots, weighted_rows};
+pub use panel_gemv::block_sums;
 pub use panels::Panels;
 
 /// Whether this CPU runs the AVX2 paths (detected once; `RIVULET_KERNELS_PORTABLE=1` forces the
@@ -41,6 +44,26 @@ pub fn has_avx2() -> bool {
         #[cfg(target_arch = "x86_64")]
         {
             is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// Whether this CPU also runs the AVX-512 paths ([`panel_gemv`]); detected once, and
+/// `RIVULET_KERNELS_NO_AVX512=1` keeps to the AVX2 ones (to compare them).
+pub fn has_avx512() -> bool {
+    use std::sync::OnceLock;
+    static DETECTED: OnceLock<bool> = OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        if !has_avx2() || std::env::var_os("RIVULET_KERNELS_NO_AVX512").is_some() {
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx512f")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {

@@ -30,14 +30,14 @@ use rivulet_gguf::GgmlType;
 use super::{fits, has_avx2, PANEL};
 
 /// Bytes of one 16-row, 32-column block of a 4-bit panel: 32 f32 scales and 256 bytes of nibbles.
-const Q4_BLOCK: usize = 2 * PANEL * 4 + 16 * PANEL;
+pub(super) const Q4_BLOCK: usize = 2 * PANEL * 4 + 16 * PANEL;
 
 /// Bytes of one 16-row, 32-column block of a Q8_0 panel: 16 f32 scales and 512 bytes.
-const Q8_BLOCK: usize = PANEL * 4 + 32 * PANEL;
+pub(super) const Q8_BLOCK: usize = PANEL * 4 + 32 * PANEL;
 
 /// The kinds of panel (see the module's layout).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(super) enum Kind {
     Q4,
     Q8,
 }
@@ -105,6 +105,14 @@ impl Panels {
             Kind::Q4 => Q4_BLOCK,
             Kind::Q8 => Q8_BLOCK,
         }
+    }
+
+    pub(super) fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    pub(super) fn blocks_per_row(&self) -> usize {
+        self.blocks_per_row
     }
 
     /// Bytes the panels occupy.

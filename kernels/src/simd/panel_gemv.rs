@@ -1,0 +1,222 @@
+//! Activation rows times a panel ([`Panels`]), the weights decoded in AVX-512 registers and used
+//! at once, eight activation rows a pass. Part of [`super`]'s `unsafe`, under its invariants (the
+//! `avx512f` functions run only after [`super::has_avx512`] returned true).
+//!
+//! Why: a decoding step of one sequence was bound by the instructions that turn GGUF's
+//! row-major blocks into f32 (each 32-bit lane of a row's block is a different column, so every
+//! product needs its own shuffle, conversion and a horizontal sum at the end), not by memory: the
+//! Q4_1 GEMV streamed ~22 GB/s on a machine that reads 59. In a panel, one 16-byte load holds
+//! one column of 16 rows: widened to 16 lanes it is one register of 16 outputs' weights, so a
+//! column costs one widening load, a mask or shift, one conversion and one FMA per activation
+//! row against a broadcast activation — and no horizontal sums.
+//!
+//! Each block's scale is factored out, `Σ (d·q + offset)·x = d·Σ q·x + offset·Σ x`, with the
+//! block's `Σ x` computed once per activation row for every panel ([`block_sums`]): the same
+//! exact GGUF values in f32, summed in another order (the kernel tests hold it to the tolerance
+//! of an f64 product).
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use super::panels::{Kind, Panels, Q4_BLOCK, Q8_BLOCK};
+use super::{fits, has_avx512, strided_len, PANEL};
+
+/// Activation rows one pass over a panel multiplies (its accumulators fill the registers); a
+/// larger step makes several passes, the panel staying in L1 between them.
+pub const PANEL_GEMV_ROWS: usize = 8;
+
+/// `[batch][cols / 32]`: the sum of each 32-value block of each activation row (row `b` of `x`
+/// at `b * x_stride`), in the order a vectorized loop keeps.
+pub fn block_sums(x: &[f32], x_stride: usize, batch: usize, cols: usize) -> Vec<f32> {
+    let mut sums = Vec::with_capacity(batch * cols / 32);
+    for b in 0..batch {
+        for block in x[b * x_stride..b * x_stride + cols].chunks_exact(32) {
+            let mut lanes = [0f32; 16];
+            for half in block.chunks_exact(16) {
+                lanes.iter_mut().zip(half).for_each(|(l, v)| *l += v);
+            }
+            sums.push(lanes.iter().sum());
+        }
+    }
+    sums
+}
+
+impl Panels {
+    /// `out[b][r] = Σ_k x[b][k] · w[panel · PANEL + r][k]` for every activation row `b < batch`
+    /// (row `b` of `x` at `b * x_stride`) and `r < PANEL`; `sums` is [`block_sums`] of `x` (read
+    /// by the 4-bit panels only). Passes of at most [`PANEL_GEMV_ROWS`] rows, sized evenly (13 =
+    /// 7 + 6, not 8 + 5: a pass of few rows has too few accumulators to hide the FMA latency).
+    pub fn product_avx512(
+        &self,
+        panel: usize,
+        x: &[f32],
+        x_stride: usize,
+        sums: &[f32],
+        batch: usize,
+        out: &mut [f32],
+    ) {
+        let blocks = self.blocks_per_row();
+        let passes = batch.div_ceil(PANEL_GEMV_ROWS);
+        let mut start = 0;
+        for pass in 0..passes {
+            let rows = (batch - start).div_ceil(passes - pass);
+            self.pass_avx512(
+                panel,
+                &x[start * x_stride..],
+                x_stride,
+                sums.get(start * blocks..).unwrap_or_default(),
+                rows,
+                &mut out[start * PANEL..(start + rows) * PANEL],
+            );
+            start += rows;
+        }
+    }
+
+    /// One pass of [`Self::product_avx512`]: `1..=PANEL_GEMV_ROWS` activation rows.
+    fn pass_avx512(&self, panel: usize, x: &[f32], x_stride: usize, sums: &[f32], batch: usize, out: &mut [f32]) {
+        assert!(has_avx512());
+        assert!((1..=PANEL_GEMV_ROWS).contains(&batch));
+        let blocks = self.blocks_per_row();
+        let cols = blocks * 32;
+        assert!(fits(x.len(), strided_len(batch, x_stride, cols)));
+        assert!(self.kind() == Kind::Q8 || fits(sums.len(), batch.checked_mul(blocks)));
+        assert!(fits(out.len(), batch.checked_mul(PANEL)));
+        let source = self.blocks(panel, 0..blocks);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F present; `source` holds the panel's `blocks` blocks of its kind, `x`
+        // every activation value read, `sums` every block sum read and `out` every result
+        // written (asserted above).
+        unsafe {
+            let (w, xp, sp, op) = (source.as_ptr(), x.as_ptr(), sums.as_ptr(), out.as_mut_ptr());
+            macro_rules! run {
+                ($kernel:ident) => {
+                    match batch {
+                        1 => $kernel::<1, 4>(w, blocks, xp, x_stride, sp, op),
+                        2 => $kernel::<2, 4>(w, blocks, xp, x_stride, sp, op),
+                        3 => $kernel::<3, 2>(w, blocks, xp, x_stride, sp, op),
+                        4 => $kernel::<4, 2>(w, blocks, xp, x_stride, sp, op),
+                        5 => $kernel::<5, 2>(w, blocks, xp, x_stride, sp, op),
+                        6 => $kernel::<6, 2>(w, blocks, xp, x_stride, sp, op),
+                        7 => $kernel::<7, 2>(w, blocks, xp, x_stride, sp, op),
+                        _ => $kernel::<8, 2>(w, blocks, xp, x_stride, sp, op),
+                    }
+                };
+            }
+            match self.kind() {
+                Kind::Q4 => run!(q4_rows),
+                Kind::Q8 => run!(q8_rows),
+            }
+        }
+    }
+}
+
+/// Blocks ahead that the next block's bytes are fetched (a hint only: it never faults).
+const PREFETCH_BLOCKS: usize = 4;
+
+/// The sum of a row's `C` partial accumulators.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn joined<const C: usize>(chains: &[__m512; C]) -> __m512 {
+    let mut sum = chains[0];
+    for chain in &chains[1..] {
+        sum = _mm512_add_ps(sum, *chain);
+    }
+    sum
+}
+
+/// A 4-bit panel times `M` activation rows, each row's sums in `C` independent chains (so that
+/// one or two rows still hide the FMA latency).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn q4_rows<const M: usize, const C: usize>(
+    w: *const u8,
+    blocks: usize,
+    x: *const f32,
+    x_stride: usize,
+    sums: *const f32,
+    out: *mut f32,
+) {
+    // SAFETY (whole body): `w` holds `blocks` Q4 panel blocks, `x` `M` rows of `blocks · 32`
+    // values `x_stride` apart, `sums` `M · blocks` block sums and `out` `M · PANEL` values
+    // (caller).
+    unsafe {
+        let low_nibble = _mm512_set1_epi32(0x0F);
+        let mut totals = [_mm512_setzero_ps(); M];
+        for block in 0..blocks {
+            let base = w.add(block * Q4_BLOCK);
+            for line in 0..Q4_BLOCK.div_ceil(64) {
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_BLOCKS * Q4_BLOCK + 64 * line).cast());
+            }
+            let d = _mm512_loadu_ps(base.cast());
+            let offset = _mm512_loadu_ps(base.add(PANEL * 4).cast());
+            let nibbles = base.add(2 * PANEL * 4);
+            let mut chains = [[_mm512_setzero_ps(); C]; M];
+            // Columns `first..first + C/2` a pass, each into chains of its own: the chain indices
+            // are constants once the inner loops unroll, so the chains stay in registers.
+            for first in (0..16).step_by(C / 2) {
+                for pair in 0..C / 2 {
+                    let j = first + pair;
+                    // Column j of the 16 rows in the low nibbles, column j + 16 in the high ones.
+                    let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(nibbles.add(PANEL * j).cast()));
+                    let low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble));
+                    let high = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(bytes));
+                    for (b, row) in chains.iter_mut().enumerate() {
+                        let xs = x.add(b * x_stride + block * 32 + j);
+                        row[2 * pair] = _mm512_fmadd_ps(low, _mm512_set1_ps(*xs), row[2 * pair]);
+                        row[2 * pair + 1] = _mm512_fmadd_ps(high, _mm512_set1_ps(*xs.add(16)), row[2 * pair + 1]);
+                    }
+                }
+            }
+            for (b, (total, row)) in totals.iter_mut().zip(&chains).enumerate() {
+                let block_sum = _mm512_set1_ps(*sums.add(b * blocks + block));
+                *total = _mm512_fmadd_ps(offset, block_sum, _mm512_fmadd_ps(d, joined(row), *total));
+            }
+        }
+        for (b, total) in totals.iter().enumerate() {
+            _mm512_storeu_ps(out.add(b * PANEL), *total);
+        }
+    }
+}
+
+/// A Q8_0 panel times `M` activation rows, each row's sums in `C` independent chains.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn q8_rows<const M: usize, const C: usize>(
+    w: *const u8,
+    blocks: usize,
+    x: *const f32,
+    x_stride: usize,
+    _sums: *const f32,
+    out: *mut f32,
+) {
+    // SAFETY (whole body): `w` holds `blocks` Q8 panel blocks, `x` `M` rows of `blocks · 32`
+    // values `x_stride` apart and `out` `M · PANEL` values (caller).
+    unsafe {
+        let mut totals = [_mm512_setzero_ps(); M];
+        for block in 0..blocks {
+            let base = w.add(block * Q8_BLOCK);
+            for line in 0..Q8_BLOCK.div_ceil(64) {
+                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_BLOCKS * Q8_BLOCK + 64 * line).cast());
+            }
+            let d = _mm512_loadu_ps(base.cast());
+            let values = base.add(PANEL * 4);
+            let mut chains = [[_mm512_setzero_ps(); C]; M];
+            for first in (0..32).step_by(C) {
+                for chain in 0..C {
+                    let k = first + chain;
+                    let q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(values.add(PANEL * k).cast())));
+                    for (b, row) in chains.iter_mut().enumerate() {
+                        let xv = _mm512_set1_ps(*x.add(b * x_stride + block * 32 + k));
+                        row[chain] = _mm512_fmadd_ps(q, xv, row[chain]);
+                    }
+                }
+            }
+            for (total, row) in totals.iter_mut().zip(&chains) {
+                *total = _mm512_fmadd_ps(d, joined(row), *total);
+            }
+        }
+        for (b, total) in totals.iter().enumerate() {
+            _mm512_storeu_ps(out.add(b * PANEL), *total);
+        }
+    }
+}
