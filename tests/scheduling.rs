@@ -318,9 +318,17 @@ async fn the_queue_can_be_listed_and_cleared_while_a_request_runs() {
     let server = TestServer::start(&[("RIVULET_SCHEDULER__MAX_NUM_SEQS", "1")]);
     let client = server.client().await;
     // One request runs (one sequence at a time); three wait behind it, of different priorities.
+    // It must outlast the three arriving and being listed even on a busy machine: 200 tokens
+    // took under a second once a decode step was ~5 ms, and the three were served before the
+    // queue was read.
+    const RUNNING_TOKENS: usize = 1000;
     let running = {
         let mut client = client.clone();
-        tokio::spawn(async move { client.generate(greedy_request("Once upon a time", 200)).await })
+        tokio::spawn(async move {
+            client
+                .generate(greedy_request("Once upon a time", RUNNING_TOKENS as u32))
+                .await
+        })
     };
     common::wait_until(Duration::from_secs(30), "the first request to run", || async {
         server.stats().await.num_running == 1
@@ -377,6 +385,6 @@ async fn the_queue_can_be_listed_and_cleared_while_a_request_runs() {
         assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
     }
     let done = running.await.expect("task").expect("the running request is untouched");
-    assert_eq!(done.into_inner().token_ids.len(), 200);
+    assert_eq!(done.into_inner().token_ids.len(), RUNNING_TOKENS);
     common::assert_no_blocks_held(&server).await;
 }
