@@ -36,9 +36,13 @@ pub struct WeightMatrix {
     cols: usize,
     row_bytes: usize,
     data: Vec<u8>,
-    /// The same blocks rearranged for the packed path ([`simd::Panels`]), which then decodes
-    /// without a transpose; made by [`Self::add_panels`] (Q4_0, Q4_1, Q8_0 on an AVX2 CPU).
+    /// The same blocks rearranged by 16-row panels ([`simd::Panels`]); made by
+    /// [`Self::add_panels`] (Q4_0, Q4_1, Q8_0 on an AVX2 CPU).
     panels: Option<simd::Panels>,
+    /// Whether `data` was let go because the panels serve every step
+    /// ([`Self::keep_only_panels`]): then every product comes from the panels and rows are read
+    /// back from them.
+    panels_only: bool,
 }
 
 impl WeightMatrix {
@@ -67,6 +71,7 @@ impl WeightMatrix {
             row_bytes,
             data,
             panels: None,
+            panels_only: false,
         })
     }
 
@@ -80,7 +85,10 @@ impl WeightMatrix {
     /// `None` when their formats or widths differ.
     pub fn stack(parts: &[WeightMatrix]) -> Option<Self> {
         let first = parts.first()?;
-        if parts.iter().any(|p| p.format != first.format || p.cols != first.cols) {
+        if parts
+            .iter()
+            .any(|p| p.format != first.format || p.cols != first.cols || p.panels_only)
+        {
             return None;
         }
         let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
@@ -100,9 +108,12 @@ impl WeightMatrix {
         self.cols
     }
 
-    /// Bytes the weights occupy (what one step streams).
+    /// Bytes the weights occupy in one copy (what one step streams).
     pub fn byte_len(&self) -> usize {
-        self.data.len()
+        match &self.panels {
+            Some(panels) if self.panels_only => panels.byte_len(),
+            _ => self.data.len(),
+        }
     }
 
     /// Bytes the weights occupy in memory: the blocks, and their copy rearranged for large
@@ -126,20 +137,43 @@ impl WeightMatrix {
         }
     }
 
+    /// Lets the row-major blocks go where the panels serve every step (an AVX-512 CPU): the
+    /// matrix then takes its bytes once instead of twice. Every product then comes from the
+    /// panels whatever [`Isa`] is asked for, and rows are read back from them, byte for byte
+    /// (so an embedding lookup gives the same values). Returns whether the blocks went.
+    pub fn keep_only_panels(&mut self) -> bool {
+        if self.panels.is_some() && simd::has_avx512() {
+            self.data = Vec::new();
+            self.panels_only = true;
+        }
+        self.panels_only
+    }
+
     /// Row `row` as f32 (an embedding lookup), appended to `out`.
     pub fn dequantize_row(&self, row: usize, out: &mut Vec<f32>) -> Result<(), KernelError> {
         if row >= self.rows {
             return Err(KernelError::RowOutOfRange { row, rows: self.rows });
         }
-        let bytes = &self.data[row * self.row_bytes..(row + 1) * self.row_bytes];
-        dequantize_append(self.format, bytes, out).map_err(KernelError::UnsupportedFormat)
+        match &self.panels {
+            Some(panels) if self.panels_only => {
+                dequantize_append(self.format, &panels.row_blocks(self.format, row), out)
+            }
+            _ => dequantize_append(
+                self.format,
+                &self.data[row * self.row_bytes..(row + 1) * self.row_bytes],
+                out,
+            ),
+        }
+        .map_err(KernelError::UnsupportedFormat)
     }
 
     /// The whole matrix as f32 (for tests and references).
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = Vec::with_capacity(self.rows * self.cols);
-        // `new` checked the format is supported.
-        let _ = dequantize_append(self.format, &self.data, &mut out);
+        for row in 0..self.rows {
+            // In range, and `new` checked the format is supported.
+            let _ = self.dequantize_row(row, &mut out);
+        }
         out
     }
 
@@ -184,6 +218,7 @@ impl WeightMatrix {
         // over every activation row (`Packed`); `Portable` is the same idea in plain Rust.
         let whole_blocks = self.cols.is_multiple_of(32);
         let path = match isa {
+            _ if self.panels_only => Path::PanelGemv,
             Isa::Avx512 if self.panels.is_some() => Path::PanelGemv,
             Isa::Avx2 | Isa::Avx512
                 if batch <= simd::GEMV_Q4_1_MAX_BATCH && self.format == GgmlType::Q4_1 && whole_blocks =>

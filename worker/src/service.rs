@@ -114,8 +114,8 @@ impl Worker {
                     let resident = weights.add_panels();
                     tracing::info!(
                         blocks_mb = blocks >> 20,
-                        with_copy_mb = resident >> 20,
-                        "weights also arranged for batches of 9+ tokens (worker.batch_weight_copy)"
+                        with_panels_mb = resident >> 20,
+                        "weights arranged by panels (worker.batch_weight_copy)"
                     );
                 }
                 Engine::Kernels {

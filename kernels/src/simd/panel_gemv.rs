@@ -18,7 +18,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::panels::{Kind, Panels, Q4_BLOCK, Q8_BLOCK};
+use super::panels::{Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
 use super::{fits, has_avx512, strided_len, PANEL};
 
 /// Activation rows one pass over a panel multiplies (its accumulators fill the registers); a
@@ -147,9 +147,9 @@ unsafe fn q4_rows<const M: usize, const C: usize>(
             for line in 0..Q4_BLOCK.div_ceil(64) {
                 _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_BLOCKS * Q4_BLOCK + 64 * line).cast());
             }
-            let d = _mm512_loadu_ps(base.cast());
-            let offset = _mm512_loadu_ps(base.add(PANEL * 4).cast());
-            let nibbles = base.add(2 * PANEL * 4);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(base.cast()));
+            let offset = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(SCALES).cast()));
+            let nibbles = base.add(2 * SCALES);
             let mut chains = [[_mm512_setzero_ps(); C]; M];
             // Columns `first..first + C/2` a pass, each into chains of its own: the chain indices
             // are constants once the inner loops unroll, so the chains stay in registers.
@@ -198,8 +198,8 @@ unsafe fn q8_rows<const M: usize, const C: usize>(
             for line in 0..Q8_BLOCK.div_ceil(64) {
                 _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_BLOCKS * Q8_BLOCK + 64 * line).cast());
             }
-            let d = _mm512_loadu_ps(base.cast());
-            let values = base.add(PANEL * 4);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(base.cast()));
+            let values = base.add(SCALES);
             let mut chains = [[_mm512_setzero_ps(); C]; M];
             for first in (0..32).step_by(C) {
                 for chain in 0..C {

@@ -1,26 +1,27 @@
-//! Q4_0, Q4_1 and Q8_0 weights rearranged at load for the packed path, so that a panel decodes
-//! straight into the layout the FMA kernel reads. Part of [`super`]'s `unsafe`, under its
-//! invariants.
+//! Q4_0, Q4_1 and Q8_0 weights rearranged at load by panels of 16 rows, so that one 16-byte load
+//! holds one column of 16 rows. Part of [`super`]'s `unsafe`, under its invariants.
 //!
-//! Why: a step of 9+ rows decodes each 16-row panel once into L1 as `[k][16]` f32 for every
-//! activation row to use. From GGUF's row-major blocks that took a decode into a row-major tile
-//! and an 8×8 transpose of it — ~12 vector instructions per 8 weights, ~30% of a 32-row step's
-//! projection time, while the FMA kernel itself runs near the machine's peak. Here one column's
-//! values of 16 rows sit in consecutive bytes and each block's scales are f32 vectors over the
-//! rows, so 8 weights cost one widening load, a mask or shift (4-bit formats), one conversion,
-//! one multiply or FMA and one store.
+//! Why: a step of 9+ rows on AVX2 decodes each 16-row panel once into L1 as `[k][16]` f32 for
+//! every activation row to use. From GGUF's row-major blocks that took a decode into a row-major
+//! tile and an 8×8 transpose of it — ~12 vector instructions per 8 weights, ~30% of a 32-row
+//! step's projection time, while the FMA kernel itself runs near the machine's peak. Here one
+//! column's values of 16 rows sit in consecutive bytes and each block's scales are vectors over
+//! the rows, so 8 weights cost one widening load, a mask or shift (4-bit formats), one
+//! conversion, one multiply or FMA and one store. On AVX-512 every step multiplies straight from
+//! the panels ([`super::panel_gemv`]).
 //!
 //! Layout, per panel of [`PANEL`] rows (a last partial panel is padded with zero rows), block
 //! after block (32 columns each):
-//! - 4-bit (Q4_0, Q4_1): `d` of the 16 rows as f32, then the offset of the 16 rows as f32 (`m`,
-//!   or `-8·d` for Q4_0, exactly as the row decoder computes it); then for `j` in `0..16`, 16
+//! - 4-bit (Q4_0, Q4_1): `d` of the 16 rows as f16, then the offset of the 16 rows as f16 (`m`,
+//!   or `-8·d` for Q4_0, exact in f16: 8·d only moves the exponent); then for `j` in `0..16`, 16
 //!   bytes: byte `r` holds row `r`'s value `j` in its low nibble and its value `j + 16` in its
 //!   high nibble (GGUF's pairing within a block). [`Q4_BLOCK`] bytes.
-//! - Q8_0: `d` of the 16 rows as f32, then for `k` in `0..32`, 16 bytes: row `r`'s signed value
+//! - Q8_0: `d` of the 16 rows as f16, then for `k` in `0..32`, 16 bytes: row `r`'s signed value
 //!   `k` in byte `r`. [`Q8_BLOCK`] bytes.
 //!
-//! Each value decodes to `q·d + offset` (4-bit) or `q·d` (Q8_0), the same arithmetic as the
-//! row-major decoder, so the packed path multiplies exactly the values it did before.
+//! The scales stay f16 as in the file (the panels take exactly the blocks' bytes, which a
+//! one-token step streams) and convert exactly to f32 in the kernels. Each value decodes to
+//! `q·d + offset` (4-bit) or `q·d` (Q8_0), the same arithmetic as the row-major decoder.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -29,11 +30,16 @@ use rivulet_gguf::GgmlType;
 
 use super::{fits, has_avx2, PANEL};
 
-/// Bytes of one 16-row, 32-column block of a 4-bit panel: 32 f32 scales and 256 bytes of nibbles.
-pub(super) const Q4_BLOCK: usize = 2 * PANEL * 4 + 16 * PANEL;
+/// Bytes of one block's scale (or offset) for the 16 rows: 16 f16.
+pub(super) const SCALES: usize = PANEL * 2;
 
-/// Bytes of one 16-row, 32-column block of a Q8_0 panel: 16 f32 scales and 512 bytes.
-pub(super) const Q8_BLOCK: usize = PANEL * 4 + 32 * PANEL;
+/// Bytes of one 16-row, 32-column block of a 4-bit panel: `d` and the offset of 16 rows and 256
+/// bytes of nibbles — as many bytes as GGUF's 16 Q4_1 blocks.
+pub(super) const Q4_BLOCK: usize = 2 * SCALES + 16 * PANEL;
+
+/// Bytes of one 16-row, 32-column block of a Q8_0 panel: `d` of 16 rows and 512 bytes — as many
+/// bytes as GGUF's 16 blocks.
+pub(super) const Q8_BLOCK: usize = SCALES + 32 * PANEL;
 
 /// The kinds of panel (see the module's layout).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,13 +56,14 @@ pub struct Panels {
     blocks_per_row: usize,
 }
 
-fn f16_at(bytes: &[u8], at: usize) -> f32 {
-    half::f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32()
+fn f16_at(bytes: &[u8], at: usize) -> half::f16 {
+    half::f16::from_le_bytes([bytes[at], bytes[at + 1]])
 }
 
 impl Panels {
     /// From `rows` GGUF rows of `format` (`blocks_per_row` blocks each, `row_bytes` apart in
-    /// `data`); `None` for a format without panels.
+    /// `data`); `None` for a format without panels, or for a Q4_0 matrix whose offset `-8·d`
+    /// does not fit an f16 (a scale above 8188, which no real file has).
     pub fn new(format: GgmlType, data: &[u8], rows: usize, blocks_per_row: usize, row_bytes: usize) -> Option<Self> {
         let (kind, gguf_block, panel_block) = match format {
             GgmlType::Q4_0 => (Kind::Q4, 18, Q4_BLOCK),
@@ -72,7 +79,7 @@ impl Panels {
                 let source = &data[row * row_bytes + block * gguf_block..][..gguf_block];
                 let target = &mut bytes[(panel * blocks_per_row + block) * panel_block..][..panel_block];
                 let d = f16_at(source, 0);
-                target[4 * r..4 * r + 4].copy_from_slice(&d.to_le_bytes());
+                target[2 * r..2 * r + 2].copy_from_slice(&d.to_le_bytes());
                 // After `d` (and Q4_1's `m`): 16 bytes of nibbles, or Q8_0's 32 bytes.
                 let values = if format == GgmlType::Q4_1 {
                     &source[4..]
@@ -81,13 +88,16 @@ impl Panels {
                 };
                 let offset = match format {
                     GgmlType::Q4_1 => Some(f16_at(source, 2)),
-                    GgmlType::Q4_0 => Some(-8.0 * d),
+                    // Exact whenever it is finite: 8·d only moves the exponent.
+                    GgmlType::Q4_0 => Some(half::f16::from_f32(-8.0 * d.to_f32())).filter(|o| o.is_finite()),
                     _ => None,
                 };
                 if let Some(offset) = offset {
-                    target[4 * (PANEL + r)..4 * (PANEL + r) + 4].copy_from_slice(&offset.to_le_bytes());
+                    target[SCALES + 2 * r..SCALES + 2 * r + 2].copy_from_slice(&offset.to_le_bytes());
+                } else if kind == Kind::Q4 {
+                    return None;
                 }
-                let values_at = if kind == Kind::Q4 { 2 * PANEL * 4 } else { PANEL * 4 };
+                let values_at = if kind == Kind::Q4 { 2 * SCALES } else { SCALES };
                 for (j, &byte) in values.iter().enumerate() {
                     target[values_at + PANEL * j + r] = byte;
                 }
@@ -113,6 +123,26 @@ impl Panels {
 
     pub(super) fn blocks_per_row(&self) -> usize {
         self.blocks_per_row
+    }
+
+    /// Row `row`'s blocks back in GGUF's layout (`format` is the one the panels were made from):
+    /// the same bytes, so a decoder gives the same values as from the file.
+    pub fn row_blocks(&self, format: GgmlType, row: usize) -> Vec<u8> {
+        let (panel, r) = (row / PANEL, row % PANEL);
+        let mut bytes = Vec::with_capacity(self.blocks_per_row * 34);
+        for block in 0..self.blocks_per_row {
+            let source = self.blocks(panel, block..block + 1);
+            bytes.extend_from_slice(&source[2 * r..2 * r + 2]);
+            let (values_at, count) = match self.kind {
+                Kind::Q4 => (2 * SCALES, 16),
+                Kind::Q8 => (SCALES, 32),
+            };
+            if format == GgmlType::Q4_1 {
+                bytes.extend_from_slice(&source[SCALES + 2 * r..SCALES + 2 * r + 2]);
+            }
+            bytes.extend((0..count).map(|j| source[values_at + PANEL * j + r]));
+        }
+        bytes
     }
 
     /// Bytes the panels occupy.
@@ -147,7 +177,7 @@ impl Panels {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode_q4(source: *const u8, count: usize, packed: *mut f32) {
     // SAFETY (whole body): `source` holds `count` blocks of Q4_BLOCK and `packed`
     // `count · 32 · PANEL` values (caller).
@@ -155,11 +185,11 @@ unsafe fn decode_q4(source: *const u8, count: usize, packed: *mut f32) {
         let low_nibble = _mm256_set1_epi32(0x0F);
         for block in 0..count {
             let base = source.add(block * Q4_BLOCK);
-            let scales = base.cast::<f32>();
             // Rows 0..8 and 8..16: their `d` and offset.
-            let d = [_mm256_loadu_ps(scales), _mm256_loadu_ps(scales.add(8))];
-            let offset = [_mm256_loadu_ps(scales.add(16)), _mm256_loadu_ps(scales.add(24))];
-            let nibbles = base.add(2 * PANEL * 4);
+            let half = |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(base.add(at).cast()));
+            let d = [half(0), half(16)];
+            let offset = [half(SCALES), half(SCALES + 16)];
+            let nibbles = base.add(2 * SCALES);
             let out = packed.add(block * 32 * PANEL);
             for j in 0..16 {
                 for (half, (d, offset)) in d.into_iter().zip(offset).enumerate() {
@@ -177,16 +207,16 @@ unsafe fn decode_q4(source: *const u8, count: usize, packed: *mut f32) {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode_q8(source: *const u8, count: usize, packed: *mut f32) {
     // SAFETY (whole body): `source` holds `count` blocks of Q8_BLOCK and `packed`
     // `count · 32 · PANEL` values (caller).
     unsafe {
         for block in 0..count {
             let base = source.add(block * Q8_BLOCK);
-            let scales = base.cast::<f32>();
-            let d = [_mm256_loadu_ps(scales), _mm256_loadu_ps(scales.add(8))];
-            let values = base.add(PANEL * 4);
+            let half = |at: usize| _mm256_cvtph_ps(_mm_loadu_si128(base.add(at).cast()));
+            let d = [half(0), half(16)];
+            let values = base.add(SCALES);
             let out = packed.add(block * 32 * PANEL);
             for k in 0..32 {
                 for (half, d) in d.into_iter().enumerate() {
