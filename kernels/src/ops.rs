@@ -77,53 +77,6 @@ pub fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
         });
 }
 
-/// `ln Σ exp(x)` of each row of `logits` (`width` values per row): what turns a row into
-/// log-probabilities (`x − it`). Rows run in parallel on the current pool; each is one pass for
-/// its maximum and one for the exponentials of the values less it, summed in 16 lanes.
-///
-/// Why here and not libtorch's `log_softmax`: a 32-row step's sampler spent ~3 ms (~5% of the
-/// step) on one thread computing and writing every log-probability of the 49k-token vocabulary,
-/// when only the chosen tokens' (and the top few) are read.
-pub fn log_normalizers(logits: &[f32], width: usize) -> Vec<f32> {
-    if width == 0 {
-        return Vec::new();
-    }
-    logits
-        .par_chunks(width)
-        .map(|row| {
-            let mut lanes = [f32::NEG_INFINITY; 16];
-            let mut chunks = row.chunks_exact(16);
-            for chunk in &mut chunks {
-                lanes.iter_mut().zip(chunk).for_each(|(l, v)| *l = l.max(*v));
-            }
-            let max = chunks
-                .remainder()
-                .iter()
-                .fold(lanes.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v)), |m, v| m.max(*v));
-            if !max.is_finite() {
-                // All −∞ (nothing possible) or a +∞/NaN logit: no finite normalizer exists.
-                return max;
-            }
-            NORMALIZER_SCRATCH.with_borrow_mut(|shifted| {
-                shifted.clear();
-                shifted.extend(row.iter().map(|v| v - max));
-                crate::exp_in_place(shifted);
-                let mut sums = [0f32; 16];
-                let mut chunks = shifted.chunks_exact(16);
-                for chunk in &mut chunks {
-                    sums.iter_mut().zip(chunk).for_each(|(s, v)| *s += v);
-                }
-                max + (sums.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()).ln()
-            })
-        })
-        .collect()
-}
-
-thread_local! {
-    /// A row less its maximum, exponentiated in place ([`log_normalizers`]).
-    static NORMALIZER_SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
 /// `acc += x`, element-wise.
 pub fn add_assign(acc: &mut [f32], x: &[f32]) {
     for (a, v) in acc.iter_mut().zip(x) {
@@ -134,26 +87,6 @@ pub fn add_assign(acc: &mut [f32], x: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn log_normalizers_match_an_f64_log_sum_exp() {
-        let width = 1000;
-        let logits: Vec<f32> = (0..3 * width)
-            .map(|i| ((i * 7919 % 1013) as f32 - 500.0) * 0.05)
-            .collect();
-        let got = log_normalizers(&logits, width);
-        assert_eq!(got.len(), 3);
-        for (row, got) in logits.chunks(width).zip(got) {
-            let max = row.iter().fold(f64::NEG_INFINITY, |m, v| m.max(*v as f64));
-            let exact = max + row.iter().map(|v| (*v as f64 - max).exp()).sum::<f64>().ln();
-            assert!(
-                (got as f64 - exact).abs() < 1e-5 * exact.abs().max(1.0),
-                "{got} vs {exact}"
-            );
-        }
-        // A row with nothing possible stays −∞ rather than NaN.
-        assert_eq!(log_normalizers(&[f32::NEG_INFINITY; 4], 4), [f32::NEG_INFINITY]);
-    }
 
     #[test]
     fn rms_norm_matches_its_definition() {

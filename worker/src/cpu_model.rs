@@ -10,7 +10,7 @@
 
 use rivulet_gguf::GgufFile;
 use rivulet_kernels::attention::{paged_attention, AttentionShape, TokenKeys};
-use rivulet_kernels::ops::{add_assign, log_normalizers, rms_norm, silu_mul, RopeTable};
+use rivulet_kernels::ops::{add_assign, rms_norm, silu_mul, RopeTable};
 use rivulet_kernels::{Isa, WeightMatrix};
 use tch::Tensor;
 
@@ -238,15 +238,6 @@ pub struct CpuModel {
     pool: rayon::ThreadPool,
 }
 
-/// A step's output: the logits of its sampled rows and each row's `ln Σ exp(logit)` (which the
-/// sampler turns into log-probabilities without a log-softmax over the vocabulary).
-pub struct CpuLogits {
-    /// `[logit_rows, vocab]` f32.
-    pub logits: Tensor,
-    /// `[logit_rows]` f32.
-    pub log_normalizers: Tensor,
-}
-
 /// A step's activations, one buffer per kind of row, reused layer after layer.
 #[derive(Default)]
 struct Activations {
@@ -286,12 +277,12 @@ impl CpuModel {
         &self.weights
     }
 
-    /// Runs the step and returns its sampled rows' logits.
-    pub fn forward(&self, step: &CpuStep<'_>, cache: &mut HostKvCache) -> Result<CpuLogits, WorkerError> {
+    /// Runs the step and returns f32 logits `[logit_rows, vocab]`.
+    pub fn forward(&self, step: &CpuStep<'_>, cache: &mut HostKvCache) -> Result<Tensor, WorkerError> {
         self.pool.install(|| self.forward_in_pool(step, cache))
     }
 
-    fn forward_in_pool(&self, step: &CpuStep<'_>, cache: &mut HostKvCache) -> Result<CpuLogits, WorkerError> {
+    fn forward_in_pool(&self, step: &CpuStep<'_>, cache: &mut HostKvCache) -> Result<Tensor, WorkerError> {
         let config = &self.config;
         let (hidden_size, kv_dim) = (config.hidden_size, config.kv_dim());
         let q_dim = config.num_heads * config.head_dim;
@@ -365,11 +356,7 @@ impl CpuModel {
         let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.token_embedding);
         let mut logits = vec![0.0; rows * config.vocab_size];
         head.matmul(&normed, rows, &mut logits)?;
-        let normalizers = log_normalizers(&logits, config.vocab_size);
-        Ok(CpuLogits {
-            logits: Tensor::f_from_slice(&logits)?.f_view([rows as i64, config.vocab_size as i64])?,
-            log_normalizers: Tensor::f_from_slice(&normalizers)?,
-        })
+        Ok(Tensor::f_from_slice(&logits)?.f_view([rows as i64, config.vocab_size as i64])?)
     }
 
     /// What each token attends to: its sequence's block table and its position + 1 keys.

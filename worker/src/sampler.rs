@@ -51,11 +51,9 @@ pub struct Sampled {
     pub top_values: Option<Tensor>,
 }
 
-/// `logits`: `[rows, vocab]` f32. `log_normalizers`: each row's `ln Σ exp(logit)` where the
-/// caller has it (the CPU kernels compute it in parallel with the step's threads), so that only
-/// the chosen and top log-probabilities are formed; otherwise they come from a log-softmax.
-pub fn sample(logits: &Tensor, log_normalizers: Option<&Tensor>, batch: &SamplingBatch) -> Sampled {
-    let raw_logprobs = RawLogprobs::new(logits, log_normalizers);
+/// `logits`: `[rows, vocab]` f32.
+pub fn sample(logits: &Tensor, batch: &SamplingBatch) -> Sampled {
+    let raw_logprobs = logits.log_softmax(-1, Kind::Float);
     let logits = match &batch.history {
         Some(history) => apply_penalties(logits, history, batch),
         None => logits.shallow_clone(),
@@ -67,9 +65,9 @@ pub fn sample(logits: &Tensor, log_normalizers: Option<&Tensor>, batch: &Samplin
     } else {
         greedy
     };
-    let logprobs = raw_logprobs.of(&tokens);
+    let logprobs = raw_logprobs.gather(1, &tokens.unsqueeze(1), false).squeeze_dim(1);
     let (top_values, top_ids) = if batch.top_logprobs > 0 {
-        let (values, ids) = raw_logprobs.top(batch.top_logprobs);
+        let (values, ids) = raw_logprobs.topk(batch.top_logprobs, -1, true, true);
         (Some(values), Some(ids))
     } else {
         (None, None)
@@ -84,46 +82,6 @@ pub fn sample(logits: &Tensor, log_normalizers: Option<&Tensor>, batch: &Samplin
 
 /// vLLM's penalties: repetition over prompt and generated tokens (divide positive logits, multiply
 /// negative ones); frequency × count and presence × (count > 0) over generated tokens.
-/// The model's own log-probabilities (of the raw logits), formed only where read.
-enum RawLogprobs<'a> {
-    /// Logits and each row's log-normalizer: `logprob = logit − normalizer`.
-    Normalized { logits: &'a Tensor, normalizers: Tensor },
-    /// Every log-probability, from a log-softmax.
-    Full(Tensor),
-}
-
-impl<'a> RawLogprobs<'a> {
-    fn new(logits: &'a Tensor, log_normalizers: Option<&Tensor>) -> Self {
-        match log_normalizers {
-            Some(normalizers) => Self::Normalized {
-                logits,
-                normalizers: normalizers.unsqueeze(1),
-            },
-            None => Self::Full(logits.log_softmax(-1, Kind::Float)),
-        }
-    }
-
-    /// `[rows]`: the log-probability of each row's token (`tokens`, `[rows]`).
-    fn of(&self, tokens: &Tensor) -> Tensor {
-        let index = tokens.unsqueeze(1);
-        match self {
-            Self::Normalized { logits, normalizers } => (logits.gather(1, &index, false) - normalizers).squeeze_dim(1),
-            Self::Full(all) => all.gather(1, &index, false).squeeze_dim(1),
-        }
-    }
-
-    /// `([rows, k] log-probabilities, [rows, k] ids)`, most likely first.
-    fn top(&self, k: i64) -> (Tensor, Tensor) {
-        match self {
-            Self::Normalized { logits, normalizers } => {
-                let (values, ids) = logits.topk(k, -1, true, true);
-                (values - normalizers, ids)
-            }
-            Self::Full(all) => all.topk(k, -1, true, true),
-        }
-    }
-}
-
 fn apply_penalties(logits: &Tensor, history: &PenaltyHistory, batch: &SamplingBatch) -> Tensor {
     let (rows, vocab) = logits.size2().expect("logits are [rows, vocab]");
     let device = logits.device();
@@ -232,26 +190,6 @@ mod tests {
         }
     }
 
-    fn sample_all(logits: &Tensor, batch: &SamplingBatch) -> Sampled {
-        sample(logits, None, batch)
-    }
-
-    #[test]
-    fn log_normalizers_give_the_log_softmax_values() {
-        let logits = Tensor::from_slice(&[2.0f32, 1.0, 0.5, 0.0, -1.0, -3.0, 4.0, -2.0]).view([2, 4]);
-        let normalizers = logits.logsumexp([-1i64].as_slice(), false);
-        let (with, full) = (
-            RawLogprobs::new(&logits, Some(&normalizers)),
-            RawLogprobs::new(&logits, None),
-        );
-        let tokens = Tensor::from_slice(&[2i64, 0]);
-        let close = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]) < 1e-6;
-        assert!(close(&with.of(&tokens), &full.of(&tokens)));
-        let ((with_values, with_ids), (full_values, full_ids)) = (with.top(3), full.top(3));
-        assert!(close(&with_values, &full_values));
-        assert!(with_ids.equal(&full_ids));
-    }
-
     fn logits(rows: i64) -> Tensor {
         Tensor::from_slice(&[2.0f32, 1.0, 0.5, 0.0, -1.0, -3.0])
             .unsqueeze(0)
@@ -267,7 +205,7 @@ mod tests {
     #[test]
     fn seeded_draws_follow_the_softmax() {
         let rows = 20_000;
-        let sampled = sample_all(&logits(rows), &batch(rows, 1.0, 0));
+        let sampled = sample(&logits(rows), &batch(rows, 1.0, 0));
         let expected = Vec::<f64>::try_from(logits(1).softmax(-1, Kind::Double).squeeze()).expect("probs");
         for (token, (freq, p)) in frequencies(&sampled.tokens, 6).iter().zip(&expected).enumerate() {
             // Five standard deviations of a binomial frequency.
@@ -281,13 +219,13 @@ mod tests {
 
     #[test]
     fn the_same_seed_and_draw_give_the_same_token_in_any_batch() {
-        let alone = sample_all(&logits(1), &batch(1, 1.0, 77)).tokens.int64_value(&[0]);
+        let alone = sample(&logits(1), &batch(1, 1.0, 77)).tokens.int64_value(&[0]);
         let mut crowded = batch(64, 1.0, 40);
         crowded.seed = Tensor::arange_start(40, 104, (Kind::Int64, Device::Cpu));
-        let in_batch = sample_all(&logits(64), &crowded).tokens.int64_value(&[37]);
+        let in_batch = sample(&logits(64), &crowded).tokens.int64_value(&[37]);
         assert_eq!(alone, in_batch, "row 37 has seed 77");
         let draws: Vec<i64> = (0..200)
-            .map(|s| sample_all(&logits(1), &batch(1, 1.0, s)).tokens.int64_value(&[0]))
+            .map(|s| sample(&logits(1), &batch(1, 1.0, s)).tokens.int64_value(&[0]))
             .collect();
         assert!(
             draws.iter().any(|&t| t != draws[0]),
@@ -301,16 +239,16 @@ mod tests {
         let mut top1 = batch(rows, 1.5, 0);
         top1.top_k = Tensor::full([rows], 1, (Kind::Int64, Device::Cpu));
         top1.any_top_k = true;
-        assert_eq!(frequencies(&sample_all(&logits(rows), &top1).tokens, 6)[0], 1.0);
+        assert_eq!(frequencies(&sample(&logits(rows), &top1).tokens, 6)[0], 1.0);
         assert_eq!(
-            frequencies(&sample_all(&logits(rows), &batch(rows, 0.0, 0)).tokens, 6)[0],
+            frequencies(&sample(&logits(rows), &batch(rows, 0.0, 0)).tokens, 6)[0],
             1.0
         );
 
         let mut top_p = batch(rows, 1.0, 0);
         top_p.top_p = Tensor::full([rows], 0.6, (Kind::Float, Device::Cpu));
         top_p.any_top_p = true;
-        let freq = frequencies(&sample_all(&logits(rows), &top_p).tokens, 6);
+        let freq = frequencies(&sample(&logits(rows), &top_p).tokens, 6);
         // softmax ≈ [0.52, 0.19, 0.12, 0.07, 0.03, 0.003]: mass before token 2 is 0.71 > 0.6.
         assert!(
             freq[0] > 0.0 && freq[1] > 0.0 && freq[2..].iter().all(|f| *f == 0.0),
@@ -320,7 +258,7 @@ mod tests {
         let mut min_p = batch(rows, 1.0, 0);
         min_p.min_p = Tensor::full([rows], 0.2, (Kind::Float, Device::Cpu));
         min_p.any_min_p = true;
-        let freq = frequencies(&sample_all(&logits(rows), &min_p).tokens, 6);
+        let freq = frequencies(&sample(&logits(rows), &min_p).tokens, 6);
         // Kept: p ≥ 0.2 × 0.52 = 0.104, i.e. tokens 0, 1, 2.
         assert!(
             freq[..3].iter().all(|f| *f > 0.0) && freq[3..].iter().all(|f| *f == 0.0),
@@ -338,7 +276,7 @@ mod tests {
             generated: Tensor::from_slice(&[false]),
         });
         // 2.0 / 4 = 0.5 < 1.0: token 1 wins.
-        assert_eq!(sample_all(&logits(1), &penalized).tokens.int64_value(&[0]), 1);
+        assert_eq!(sample(&logits(1), &penalized).tokens.int64_value(&[0]), 1);
         let mut frequency = batch(1, 0.0, 0);
         frequency.frequency_penalty = Tensor::from_slice(&[0.6f32]);
         frequency.history = Some(PenaltyHistory {
@@ -347,6 +285,6 @@ mod tests {
             generated: Tensor::from_slice(&[true, true]),
         });
         // 2.0 − 2 × 0.6 = 0.8 < 1.0.
-        assert_eq!(sample_all(&logits(1), &frequency).tokens.int64_value(&[0]), 1);
+        assert_eq!(sample(&logits(1), &frequency).tokens.int64_value(&[0]), 1);
     }
 }

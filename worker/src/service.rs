@@ -198,7 +198,7 @@ impl Worker {
                         max_blocks: 1,
                         logit_rows: &[count - 1],
                     };
-                    model.forward(&step, kv_cache)?.logits
+                    model.forward(&step, kv_cache)?
                 }
                 Engine::Torch { model, kv_cache } => {
                     let device = model.device;
@@ -255,7 +255,7 @@ impl Worker {
         } else {
             host.logit_rows.clone()
         };
-        let (logits, log_normalizers, device) = match &mut self.engine {
+        let (logits, device) = match &mut self.engine {
             Engine::Kernels { model, kv_cache } => {
                 let layout = buffer.layout();
                 let (tokens, seqs) = (header.num_tokens as usize, header.num_seqs as usize);
@@ -269,8 +269,7 @@ impl Worker {
                     max_blocks,
                     logit_rows: &logit_rows,
                 };
-                let output = model.forward(&step, kv_cache)?;
-                (output.logits, Some(output.log_normalizers), Device::Cpu)
+                (model.forward(&step, kv_cache)?, Device::Cpu)
             }
             Engine::Torch { model, kv_cache } => {
                 let device = model.device;
@@ -294,14 +293,14 @@ impl Worker {
                     attention: &plan,
                     logit_rows: &rows,
                 };
-                (model.forward(&inputs, kv_cache), None, device)
+                (model.forward(&inputs, kv_cache), device)
             }
         };
         if host.sampled_seqs.is_empty() {
             return Ok(());
         }
         let batch = step::sampling_batch(buffer, &view, &host, device)?;
-        let sampled = sample(&logits, log_normalizers.as_ref(), &batch);
+        let sampled = sample(&logits, &batch);
         step::write_outputs(&mut view, &host, &sampled)
     }
 }
