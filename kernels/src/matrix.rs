@@ -1,15 +1,16 @@
 //! A weight matrix kept in its GGUF blocks, and `x · Wᵀ` for f32 activations.
 //!
-//! Up to 8 activation rows (decoding sequences), each block is decoded in registers and used at
-//! once (the GEMV paths in `simd`): bound by the instructions per weight, close to reading the
-//! quantized bytes. From 9 rows on (full decode batches, prefill chunks) each task decodes a
-//! panel of 16 weight rows, a tile of columns at a time, into an L1-resident `[k][16]` f32
-//! buffer — exactly GGUF's dequantization — and a register-blocked FMA kernel multiplies it
-//! against every activation row, so each weight is read and decoded once per step whatever the
-//! batch. Q4_0, Q4_1 and Q8_0 can keep a copy of their blocks rearranged by panel
-//! ([`WeightMatrix::add_panels`], ~1.1–1.2× the blocks' bytes), which decodes into that buffer
-//! with no transpose; otherwise the rows decode one by one and are transposed. The portable path
-//! decodes 4 rows of [`TILE`] values at a time and multiplies them in plain Rust.
+//! Q4_0, Q4_1 and Q8_0 can be rearranged by panels of 16 rows ([`WeightMatrix::add_panels`],
+//! the blocks' bytes): one 16-byte load is one column of 16 rows. With AVX-512 every step
+//! multiplies straight from the panels, decoded in registers, eight activation rows a pass, and
+//! the row-major blocks can go ([`WeightMatrix::keep_only_panels`]). Otherwise (AVX2): up to 8
+//! activation rows, each row-major block is decoded in registers and used at once (the GEMV
+//! paths in `simd`); from 9 rows on each task decodes a panel of 16 weight rows, a tile of
+//! columns at a time, into an L1-resident `[k][16]` f32 buffer — exactly GGUF's dequantization —
+//! and a register-blocked FMA kernel multiplies it against every activation row, so each weight
+//! is read and decoded once per step whatever the batch (from the panels with no transpose where
+//! they exist, else row by row and transposed). The portable path decodes 4 rows of [`TILE`]
+//! values at a time and multiplies them in plain Rust.
 
 use rayon::prelude::*;
 use rivulet_gguf::dequant::dequantize_append;
@@ -211,11 +212,12 @@ impl WeightMatrix {
         if batch == 0 || self.rows == 0 {
             return Ok(());
         }
-        // Small batches decode each block in registers and use it at once: from the panels
-        // with AVX-512 (`PanelGemv`), else from the row-major blocks (`Gemv`; one or two rows
-        // against Q4_1 with the block minimum factored out, `GemvQ4_1`); larger ones
-        // decode a panel of rows once into L1, transposed, and run a register-blocked kernel
-        // over every activation row (`Packed`); `Portable` is the same idea in plain Rust.
+        // With AVX-512 and panels, every batch multiplies straight from the panels, decoded in
+        // registers, eight activation rows a pass (`PanelGemv`). Otherwise small batches decode
+        // each row-major block in registers and use it at once (`Gemv`; one or two rows against
+        // Q4_1 with the block minimum factored out, `GemvQ4_1`); larger ones decode a panel of
+        // rows once into L1 and run a register-blocked kernel over every activation row
+        // (`Packed`); `Portable` is the same idea in plain Rust.
         let whole_blocks = self.cols.is_multiple_of(32);
         let path = match isa {
             _ if self.panels_only => Path::PanelGemv,
