@@ -315,13 +315,16 @@ async fn switching_the_policy_while_serving_changes_who_gets_the_first_token_fir
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_queue_can_be_listed_and_cleared_while_a_request_runs() {
-    let server = TestServer::start(&[("RIVULET_SCHEDULER__MAX_NUM_SEQS", "1")]);
-    let client = server.client().await;
     // One request runs (one sequence at a time); three wait behind it, of different priorities.
-    // It must outlast the three arriving and being listed even on a busy machine: 200 tokens
-    // took under a second once a decode step was ~5 ms, and the three were served before the
-    // queue was read.
-    const RUNNING_TOKENS: usize = 1000;
+    // THROUGHPUT_FIRST admits new sequences only while a step has room, so the three stay queued
+    // while the first decodes; under FAIR's round-robin they would be admitted within a few
+    // steps, and whether the listing caught all three depended on how fast steps were.
+    let server = TestServer::start(&[
+        ("RIVULET_SCHEDULER__MAX_NUM_SEQS", "1"),
+        ("RIVULET_SCHEDULER__POLICY", "throughput_first"),
+    ]);
+    let client = server.client().await;
+    const RUNNING_TOKENS: usize = 300;
     let running = {
         let mut client = client.clone();
         tokio::spawn(async move {
