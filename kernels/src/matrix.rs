@@ -248,8 +248,9 @@ impl WeightMatrix {
             Path::GemvQ4_1 => simd::Q4_1Activations::new(x, self.cols, batch, self.cols),
             _ => simd::Q4_1Activations::default(),
         };
+        // Only 4-bit panels meet their offsets with the activations' block sums.
         let block_sums = match path {
-            Path::PanelGemv => simd::block_sums(x, self.cols, batch, self.cols),
+            Path::PanelGemv if self.format != GgmlType::Q8_0 => simd::block_sums(x, self.cols, batch, self.cols),
             _ => Vec::new(),
         };
         (0..units.div_ceil(per_task)).into_par_iter().for_each(|task| {
@@ -466,7 +467,13 @@ pub enum Isa {
 impl Isa {
     /// The fastest path this CPU runs.
     pub fn best() -> Self {
-        Self::available()[0]
+        if simd::has_avx512() {
+            Self::Avx512
+        } else if simd::has_avx2() {
+            Self::Avx2
+        } else {
+            Self::Portable
+        }
     }
 
     /// Every path this CPU runs, fastest first (tests and benchmarks compare them).

@@ -110,8 +110,19 @@ impl Panels {
     }
 }
 
-/// Blocks ahead that the next block's bytes are fetched (a hint only: it never faults).
+/// Blocks ahead that a block's bytes are fetched.
 const PREFETCH_BLOCKS: usize = 4;
+
+/// Fetches the block `PREFETCH_BLOCKS` after the one at `base` (`block_bytes` each). A hint
+/// only: it never faults, so it may point past the panel.
+#[cfg(target_arch = "x86_64")]
+fn prefetch_ahead(base: *const u8, block_bytes: usize) {
+    let ahead = base.wrapping_add(PREFETCH_BLOCKS * block_bytes);
+    for line in 0..block_bytes.div_ceil(64) {
+        // SAFETY: a prefetch reads nothing architecturally and never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast()) };
+    }
+}
 
 /// The sum of a row's `C` partial accumulators.
 #[cfg(target_arch = "x86_64")]
@@ -144,9 +155,7 @@ unsafe fn q4_rows<const M: usize, const C: usize>(
         let mut totals = [_mm512_setzero_ps(); M];
         for block in 0..blocks {
             let base = w.add(block * Q4_BLOCK);
-            for line in 0..Q4_BLOCK.div_ceil(64) {
-                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_BLOCKS * Q4_BLOCK + 64 * line).cast());
-            }
+            prefetch_ahead(base, Q4_BLOCK);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(base.cast()));
             let offset = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(SCALES).cast()));
             let nibbles = base.add(2 * SCALES);
@@ -195,9 +204,7 @@ unsafe fn q8_rows<const M: usize, const C: usize>(
         let mut totals = [_mm512_setzero_ps(); M];
         for block in 0..blocks {
             let base = w.add(block * Q8_BLOCK);
-            for line in 0..Q8_BLOCK.div_ceil(64) {
-                _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_BLOCKS * Q8_BLOCK + 64 * line).cast());
-            }
+            prefetch_ahead(base, Q8_BLOCK);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(base.cast()));
             let values = base.add(SCALES);
             let mut chains = [[_mm512_setzero_ps(); C]; M];
