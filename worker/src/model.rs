@@ -87,30 +87,36 @@ impl LlamaModel {
         );
 
         let half = self.half.as_ref().filter(|_| tokens == 1);
+        let angles = self.rope.angles(inputs.positions);
         let mut hidden = self.weights.token_embedding.index_select(0, inputs.input_ids);
         for (index, (layer, cache)) in self.weights.layers.iter().zip(&kv_cache.layers).enumerate() {
             let half_layer = half.map(|h| &h.layers[index]);
             let normed = self.rms_norm(&hidden, &layer.attn_norm);
             let qkv = linear(&normed, &layer.qkv_proj, half_layer.map(|h| &h.qkv_proj));
-            let parts = qkv.split_with_sizes([q_dim, kv_dim, kv_dim], 1);
-            let q = self
-                .rope
-                .apply(&parts[0].view([tokens, heads, head_dim]), inputs.positions);
-            let k = self
-                .rope
-                .apply(&parts[1].view([tokens, kv_heads, head_dim]), inputs.positions);
-            let v = parts[2].view([tokens, kv_heads, head_dim]);
+            // Q and K side by side, rotated in one pass.
+            let rotated = angles.apply(
+                &qkv.narrow(1, 0, q_dim + kv_dim)
+                    .view([tokens, heads + kv_heads, head_dim]),
+            );
+            let q = rotated.narrow(1, 0, heads);
+            let k = rotated.narrow(1, heads, kv_heads);
+            let v = qkv.narrow(1, q_dim + kv_dim, kv_dim).view([tokens, kv_heads, head_dim]);
 
             let (mut key_cache, mut value_cache) = cache.flat();
             let _ = key_cache.index_copy_(0, inputs.slot_mapping, &k);
             let _ = value_cache.index_copy_(0, inputs.slot_mapping, &v);
             let attended = inputs.attention.attend(&q, &key_cache, &value_cache);
-            hidden += linear(&attended, &layer.o_proj, half_layer.map(|h| &h.o_proj));
+            add_projection(&mut hidden, &attended, &layer.o_proj, half_layer.map(|h| &h.o_proj));
 
             let normed = self.rms_norm(&hidden, &layer.ffn_norm);
             let gate_up = linear(&normed, &layer.gate_up_proj, half_layer.map(|h| &h.gate_up_proj)).chunk(2, 1);
             let activated = gate_up[0].silu() * &gate_up[1];
-            hidden += linear(&activated, &layer.down_proj, half_layer.map(|h| &h.down_proj));
+            add_projection(
+                &mut hidden,
+                &activated,
+                &layer.down_proj,
+                half_layer.map(|h| &h.down_proj),
+            );
         }
         // Only the sampled rows need the (vocabulary-sized) output head.
         let last = hidden.index_select(0, inputs.logit_rows);
@@ -118,12 +124,21 @@ impl LlamaModel {
         linear(&normed, &self.weights.lm_head, half.map(|h| &h.lm_head)).to_kind(Kind::Float)
     }
 
-    /// RMSNorm computed in f32 whatever the compute dtype.
+    /// RMSNorm computed in f32 whatever the compute dtype, normalized values rounded to it before
+    /// the weight (as transformers' LlamaRMSNorm): libtorch's `rms_norm` does exactly that, in one
+    /// kernel on CUDA.
     fn rms_norm(&self, x: &Tensor, weight: &Tensor) -> Tensor {
-        let xf = x.to_kind(Kind::Float);
-        let variance = xf.square().mean_dim(-1, true, Kind::Float);
-        let normed = xf * (variance + self.config.rms_norm_eps).rsqrt();
-        normed.to_kind(self.kind) * weight
+        x.rms_norm([self.config.hidden_size as i64], Some(weight), self.config.rms_norm_eps)
+    }
+}
+
+/// `hidden += x · weightᵀ`: one GEMM accumulating into `hidden` for plain weights (no separate add,
+/// and one rounding in the compute dtype instead of two); otherwise through [`linear`].
+fn add_projection(hidden: &mut Tensor, x: &Tensor, weight: &Tensor, half: Option<&Tensor>) {
+    if half.is_none() && !weight.is_mkldnn() {
+        let _ = hidden.addmm_(x, &weight.tr());
+    } else {
+        *hidden += linear(x, weight, half);
     }
 }
 

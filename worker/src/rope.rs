@@ -22,19 +22,32 @@ impl Rope {
         }
     }
 
-    /// Rotates `x` (`[tokens, heads, head_dim]`) for each token's position (`[tokens]`, i64).
-    pub fn apply(&self, x: &Tensor, positions: &Tensor) -> Tensor {
+    /// The step's cos and sin rows, gathered once for every layer (`positions`: `[tokens]` i64).
+    pub fn angles(&self, positions: &Tensor) -> RopeAngles {
+        RopeAngles {
+            cos: self.cos.index_select(0, positions).unsqueeze(1),
+            sin: self.sin.index_select(0, positions).unsqueeze(1),
+        }
+    }
+}
+
+/// One step's rotation, `[tokens, 1, head_dim / 2]` f32 each.
+pub struct RopeAngles {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl RopeAngles {
+    /// Rotates `x` (`[tokens, heads, head_dim]`, any float kind; computed in f32):
+    /// (even, odd) ↦ (even·cos − odd·sin, even·sin + odd·cos) as x·cos + (−odd, even)·sin.
+    pub fn apply(&self, x: &Tensor) -> Tensor {
         let (tokens, heads, head_dim) = x.size3().expect("rope input is [tokens, heads, head_dim]");
-        let kind = x.kind();
-        let cos = self.cos.index_select(0, positions).unsqueeze(1);
-        let sin = self.sin.index_select(0, positions).unsqueeze(1);
         let pairs = x.to_kind(Kind::Float).view([tokens, heads, head_dim / 2, 2]);
-        let even = pairs.select(3, 0);
-        let odd = pairs.select(3, 1);
-        let rotated_even = &even * &cos - &odd * &sin;
-        let rotated_odd = &even * &sin + &odd * &cos;
-        Tensor::stack(&[rotated_even, rotated_odd], 3)
+        let partner = Tensor::stack(&[-pairs.select(3, 1), pairs.select(3, 0)], 3);
+        let (cos, sin) = (self.cos.unsqueeze(3), self.sin.unsqueeze(3));
+        (&pairs * cos)
+            .addcmul(&partner, &sin)
             .view([tokens, heads, head_dim])
-            .to_kind(kind)
+            .to_kind(x.kind())
     }
 }

@@ -205,8 +205,14 @@ impl Worker {
                     let table = Tensor::zeros([1, 1], (Kind::Int64, device));
                     let ids = Tensor::zeros([count], (Kind::Int64, device));
                     let positions = Tensor::from_slice(&positions).to_device(device);
-                    let plan =
-                        AttentionPlan::new(&seqs, &table, kv_cache.block_size as i64, model.config.head_dim, device);
+                    let plan = AttentionPlan::new(
+                        &seqs,
+                        &table,
+                        kv_cache.block_size as i64,
+                        model.config.head_dim,
+                        device,
+                        model.kind,
+                    );
                     let rows = Tensor::from_slice(&[count - 1]).to_device(device);
                     let inputs = ForwardInputs {
                         input_ids: &ids,
@@ -284,6 +290,7 @@ impl Worker {
                     kv_cache.block_size as i64,
                     model.config.head_dim,
                     device,
+                    model.kind,
                 );
                 let rows = Tensor::f_from_slice(&logit_rows)?.f_to_device(device)?;
                 let inputs = ForwardInputs {

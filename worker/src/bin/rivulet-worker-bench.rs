@@ -3,6 +3,9 @@
 //! throughput, so the step can be read against its roofline.
 //!
 //! `cargo run --release -p rivulet-worker --bin rivulet-worker-bench -- [model.gguf] [threads]`
+//!
+//! RIVULET_BENCH_DEVICE=cuda:N times the libtorch engine on that GPU instead, in bf16 as the worker
+//! runs it there, against the GPU's measured bf16 matmul rate and memory read bandwidth.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -19,13 +22,22 @@ use tch::{Device, Kind, Tensor};
 
 const BLOCK_SIZE: i64 = 16;
 
-/// Median wall time of `runs` calls, after one warm-up call.
-fn median_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
+/// Waits for the device's queued work (a no-op on the CPU, where every op has finished on return).
+fn synchronize(device: Device) {
+    if let Device::Cuda(index) = device {
+        tch::Cuda::synchronize(index as i64);
+    }
+}
+
+/// Median wall time of `runs` calls on `device`, after one warm-up call.
+fn median_seconds(device: Device, runs: usize, mut f: impl FnMut()) -> f64 {
     f();
+    synchronize(device);
     let mut times: Vec<f64> = (0..runs)
         .map(|_| {
             let start = Instant::now();
             f();
+            synchronize(device);
             start.elapsed().as_secs_f64()
         })
         .collect();
@@ -33,20 +45,21 @@ fn median_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
     times[times.len() / 2]
 }
 
-fn matmul_gflops() -> f64 {
-    let n = 1024;
-    let a = Tensor::randn([n, n], (Kind::Float, Device::Cpu));
-    let b = Tensor::randn([n, n], (Kind::Float, Device::Cpu));
-    let seconds = median_seconds(10, || {
+/// Matmul throughput in `kind` on `device` (1024³ on the CPU; 8192³ to fill a GPU).
+fn matmul_gflops(device: Device, kind: Kind) -> f64 {
+    let n = if device == Device::Cpu { 1024 } else { 8192 };
+    let a = Tensor::randn([n, n], (kind, device));
+    let b = Tensor::randn([n, n], (kind, device));
+    let seconds = median_seconds(device, 10, || {
         let _ = a.matmul(&b);
     });
     2.0 * (n * n * n) as f64 / seconds / 1e9
 }
 
 /// Memory read bandwidth: summing a 512 MiB tensor (far larger than any cache) streams it once.
-fn read_bandwidth_gbs() -> f64 {
-    let values = Tensor::ones([128 << 20], (Kind::Float, Device::Cpu));
-    let seconds = median_seconds(5, || {
+fn read_bandwidth_gbs(device: Device) -> f64 {
+    let values = Tensor::ones([128 << 20], (Kind::Float, device));
+    let seconds = median_seconds(device, 5, || {
         let _ = values.sum(Kind::Float);
     });
     (512 << 20) as f64 / seconds / 1e9
@@ -91,6 +104,8 @@ fn main() -> anyhow::Result<()> {
     let decode_runs: usize = env_or("RIVULET_BENCH_RUNS", "8")
         .parse()
         .context("RIVULET_BENCH_RUNS")?;
+    let device = rivulet_worker::device::select_device(&env_or("RIVULET_BENCH_DEVICE", "cpu"))?;
+    let kind = rivulet_worker::device::compute_kind(device);
     let _guard = tch::no_grad_guard();
     let file = GgufFile::open(&model_path)?;
     let config = ModelConfig::from_gguf(&file)?;
@@ -99,14 +114,19 @@ fn main() -> anyhow::Result<()> {
     let bytes =
         // At least one 1024-token sequence (the cache's own minimum for max_model_len 1024).
         (max_batch * blocks_per_seq).max(1024 / BLOCK_SIZE + 1) as usize
-            * rivulet_worker::kv_cache::bytes_per_block(&config, 16, Kind::Float);
+            * rivulet_worker::kv_cache::bytes_per_block(&config, 16, kind);
     // RIVULET_BENCH_ENGINE: `kernels` (the worker's CPU default), `libtorch`, or `both` (default:
-    // both, so that their ratio comes from one run).
-    let engines = env_or("RIVULET_BENCH_ENGINE", "both");
-    let gflops = matmul_gflops();
-    let bandwidth = read_bandwidth_gbs();
+    // both, so that their ratio comes from one run). The kernels are CPU-only.
+    let engines = if device == Device::Cpu {
+        env_or("RIVULET_BENCH_ENGINE", "both")
+    } else {
+        "libtorch".to_owned()
+    };
+    let gflops = matmul_gflops(device, kind);
+    let bandwidth = read_bandwidth_gbs(device);
     println!(
-        "threads: {threads}, fp32 matmul (1024³): {gflops:.1} GFLOP/s, memory read: {bandwidth:.1} GB/s",
+        "device: {}, threads: {threads}, {kind:?} matmul: {gflops:.1} GFLOP/s, memory read: {bandwidth:.1} GB/s",
+        rivulet_worker::device::describe(device),
         threads = tch::get_num_threads(),
     );
     println!("roofline = min(compute: GFLOP/s / FLOPs per token, bandwidth: tokens per step × GB/s / weight bytes)");
@@ -129,22 +149,26 @@ fn main() -> anyhow::Result<()> {
         ));
     }
     if engines == "libtorch" || engines == "both" {
-        let weights = ModelWeights::load(&file, &config, Device::Cpu, Kind::Float)?;
-        let cache = KvCache::allocate(&config, BLOCK_SIZE as usize, bytes, 1024, Device::Cpu, Kind::Float)?;
-        let mut model = LlamaModel::new(config.clone(), weights, 2048, Device::Cpu, Kind::Float);
+        let weights = ModelWeights::load(&file, &config, device, kind)?;
+        let cache = KvCache::allocate(&config, BLOCK_SIZE as usize, bytes, 1024, device, kind)?;
+        let mut model = LlamaModel::new(config.clone(), weights, 2048, device, kind);
         // RIVULET_BENCH_HALF_GEMV=1: as with `worker.half_precision_gemv` (f16 weights for 1-token steps).
         let half_gemv = std::env::var_os("RIVULET_BENCH_HALF_GEMV").is_some();
         if half_gemv {
             model.enable_half_precision_gemv()?;
         }
         // As the libtorch engine does on the CPU; RIVULET_BENCH_DENSE=1 keeps MKL's sgemm.
-        if std::env::var_os("RIVULET_BENCH_DENSE").is_none() && tch::utils::has_mkldnn() {
+        if device == Device::Cpu && std::env::var_os("RIVULET_BENCH_DENSE").is_none() && tch::utils::has_mkldnn() {
             model.use_onednn_projections()?;
         }
         // Every step reads every projection weight once: 2 FLOPs per weight per token.
-        let f32_bytes = flops_per_token(&config, 0) / 2.0 * 4.0;
+        let weight_bytes = flops_per_token(&config, 0) / 2.0 * kind.elt_size_in_bytes() as f64;
         let name = if half_gemv { "libtorch (f16 GEMV)" } else { "libtorch" };
-        runs.push((name.to_owned(), Box::new(TorchBench { model, cache }), f32_bytes));
+        runs.push((
+            name.to_owned(),
+            Box::new(TorchBench { model, cache, device }),
+            weight_bytes,
+        ));
     }
     println!(
         "{:<20} {:<22} {:>10} {:>12} {:>14} {:>12}",
@@ -164,14 +188,14 @@ fn main() -> anyhow::Result<()> {
         };
         println!("{name}: weights read per step {:.1} MB", *weight_bytes / 1e6);
         for &batch in &batches {
-            let seconds = median_seconds(decode_runs, || engine.decode(batch, context, blocks_per_seq));
+            let seconds = median_seconds(device, decode_runs, || engine.decode(batch, context, blocks_per_seq));
             report(&format!("decode batch {batch} @{context}"), seconds, batch, context);
         }
         // RIVULET_BENCH_NO_PREFILL=1 leaves the prefill out (e.g. to profile decode alone).
         if std::env::var_os("RIVULET_BENCH_NO_PREFILL").is_some() {
             continue;
         }
-        let seconds = median_seconds(4, || engine.prefill(context, blocks_per_seq));
+        let seconds = median_seconds(device, 4, || engine.prefill(context, blocks_per_seq));
         // A prefill's attention averages half the context; its head runs for one row only.
         report(&format!("prefill {context} tokens"), seconds, context, context / 2);
     }
@@ -248,11 +272,12 @@ impl BenchEngine for KernelsBench {
 struct TorchBench {
     model: LlamaModel,
     cache: KvCache,
+    device: Device,
 }
 
 impl BenchEngine for TorchBench {
     fn decode(&mut self, batch: i64, context: i64, blocks_per_seq: i64) {
-        let tables = Tensor::arange(batch * blocks_per_seq, (Kind::Int64, Device::Cpu)).view([batch, blocks_per_seq]);
+        let tables = Tensor::arange(batch * blocks_per_seq, (Kind::Int64, self.device)).view([batch, blocks_per_seq]);
         let seqs: Vec<SeqSlice> = (0..batch)
             .map(|i| SeqSlice {
                 first_token: i,
@@ -260,11 +285,18 @@ impl BenchEngine for TorchBench {
                 context_len: context,
             })
             .collect();
-        let ids = Tensor::full([batch], 100, (Kind::Int64, Device::Cpu));
-        let positions = Tensor::full([batch], context - 1, (Kind::Int64, Device::Cpu));
-        let slots = Tensor::arange(batch, (Kind::Int64, Device::Cpu)) * (blocks_per_seq * BLOCK_SIZE) + (context - 1);
-        let rows = Tensor::arange(batch, (Kind::Int64, Device::Cpu));
-        let plan = AttentionPlan::new(&seqs, &tables, BLOCK_SIZE, self.model.config.head_dim, Device::Cpu);
+        let ids = Tensor::full([batch], 100, (Kind::Int64, self.device));
+        let positions = Tensor::full([batch], context - 1, (Kind::Int64, self.device));
+        let slots = Tensor::arange(batch, (Kind::Int64, self.device)) * (blocks_per_seq * BLOCK_SIZE) + (context - 1);
+        let rows = Tensor::arange(batch, (Kind::Int64, self.device));
+        let plan = AttentionPlan::new(
+            &seqs,
+            &tables,
+            BLOCK_SIZE,
+            self.model.config.head_dim,
+            self.device,
+            self.model.kind,
+        );
         let inputs = ForwardInputs {
             input_ids: &ids,
             positions: &positions,
@@ -276,16 +308,23 @@ impl BenchEngine for TorchBench {
     }
 
     fn prefill(&mut self, context: i64, blocks_per_seq: i64) {
-        let tables = Tensor::arange(blocks_per_seq, (Kind::Int64, Device::Cpu)).unsqueeze(0);
+        let tables = Tensor::arange(blocks_per_seq, (Kind::Int64, self.device)).unsqueeze(0);
         let seqs = [SeqSlice {
             first_token: 0,
             num_tokens: context,
             context_len: context,
         }];
-        let ids = Tensor::full([context], 100, (Kind::Int64, Device::Cpu));
-        let positions = Tensor::arange(context, (Kind::Int64, Device::Cpu));
-        let rows = Tensor::from_slice(&[context - 1]);
-        let plan = AttentionPlan::new(&seqs, &tables, BLOCK_SIZE, self.model.config.head_dim, Device::Cpu);
+        let ids = Tensor::full([context], 100, (Kind::Int64, self.device));
+        let positions = Tensor::arange(context, (Kind::Int64, self.device));
+        let rows = Tensor::from_slice(&[context - 1]).to_device(self.device);
+        let plan = AttentionPlan::new(
+            &seqs,
+            &tables,
+            BLOCK_SIZE,
+            self.model.config.head_dim,
+            self.device,
+            self.model.kind,
+        );
         let inputs = ForwardInputs {
             input_ids: &ids,
             positions: &positions,

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The CUDA checks and figures, on a machine with an NVIDIA GPU and PyTorch 2.11 (whose libtorch the
+# binaries load) but no Rust toolchain: binaries built elsewhere against the same torch version
+# (scripts/setup.sh installs it) run here with LD_LIBRARY_PATH on this machine's torch/lib.
+#
+#   bench/cuda.sh BIN_DIR MODEL.gguf OUT_DIR [CLIENTS...]
+#
+# BIN_DIR holds rivulet-scheduler, rivulet-worker, rivulet-bench, rivulet-worker-bench and the
+# CUDA test binary (`cuda-*`, from `cargo test --release -p rivulet-worker --test cuda --no-run`).
+# Runs, in order: the test (bf16 on the GPU against f32 on the CPU), the worker bench on cuda:0
+# (decode batches 1, 32, 256, 1024 at context 256), then rivulet-bench through a scheduler with one
+# worker on cuda:0 at each client count (default 1 32 256 1024; 128-token random prompts, 128
+# greedy tokens, ignore_eos), with the scheduler's own step timings. Figures land in OUT_DIR.
+# Binaries of another build placed beside them with the suffix `-before` (rivulet-worker-before,
+# rivulet-worker-bench-before) are measured too, in the same run, for a side-by-side ratio.
+set -uo pipefail
+BIN="$(cd "$1" && pwd)"
+MODEL="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
+OUT="$3"
+shift 3
+CLIENTS=("$@")
+[ ${#CLIENTS[@]} -eq 0 ] && CLIENTS=(1 32 256 1024)
+mkdir -p "$OUT"
+
+TORCH_LIB="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')"
+export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+
+echo "== worker/tests/cuda.rs"
+# The test looks for the model in its checkout; point it here instead.
+(cd "$BIN" && RIVULET_TEST_MODEL="$MODEL" "$BIN"/cuda-* --nocapture 2>&1 | tee "$OUT/cuda_test.log")
+
+for bench in rivulet-worker-bench-before rivulet-worker-bench; do
+    [ -x "$BIN/$bench" ] || continue
+    echo "== $bench on cuda:0"
+    RIVULET_BENCH_DEVICE=cuda:0 RIVULET_BENCH_CONTEXT=256 RIVULET_BENCH_BATCHES=1,32,256,1024 \
+        "$BIN/$bench" "$MODEL" 2>&1 | tee -a "$OUT/worker_bench.log"
+done
+
+echo "== rivulet-bench through rivulet-scheduler, one worker on cuda:0"
+export RIVULET_MODEL__PATH="$MODEL"
+export RIVULET_WORKER__DEVICE=cuda:0
+export RIVULET_WORKER__KV_CACHE_MEMORY_FRACTION=0.5
+export RIVULET_SCHEDULER__MAX_NUM_SEQS=1024
+export RIVULET_SCHEDULER__MAX_NUM_BATCHED_TOKENS=8192
+export RIVULET_SCHEDULER__MAX_QUEUED_REQUESTS=4096
+for worker in rivulet-worker-before rivulet-worker; do
+    [ -x "$BIN/$worker" ] || continue
+    echo "== $worker"
+    RIVULET_WORKER__BINARY="$BIN/$worker" "$BIN/rivulet-scheduler" >"$OUT/scheduler-$worker.log" 2>&1 &
+    scheduler=$!
+    "$BIN/rivulet-bench" wait-ready --timeout-secs 180 || { tail -30 "$OUT/scheduler-$worker.log"; kill $scheduler; continue; }
+    for clients in "${CLIENTS[@]}"; do
+        prompts=$((clients * 2 < 16 ? 16 : clients * 2))
+        "$BIN/rivulet-bench" run --tokenizer "$MODEL" --num-prompts "$prompts" --max-concurrency "$clients" \
+            --random-input-len 128 --random-output-len 128 --ignore-eos --no-progress \
+            --admin-url http://127.0.0.1:50052 --label "$worker ${clients} clients" --json "$OUT/bench.jsonl" \
+            >>"$OUT/bench.log" 2>&1
+    done
+    kill $scheduler
+    wait $scheduler 2>/dev/null
+done
+# The summary: one line per run.
+grep -E "^=+ .* clients|Output token throughput|P50 TTFT|P50 TPOT|Rivulet steps" "$OUT/bench.log"
