@@ -11,8 +11,9 @@
 # (decode batches 1, 32, 256, 1024 at context 256), then rivulet-bench through a scheduler with one
 # worker on cuda:0 at each client count (default 1 32 256 1024; 128-token random prompts, 128
 # greedy tokens, ignore_eos), with the scheduler's own step timings. Figures land in OUT_DIR.
-# Binaries of another build placed beside them with the suffix `-before` (rivulet-worker-before,
-# rivulet-worker-bench-before) are measured too, in the same run, for a side-by-side ratio.
+# The serving runs go twice, with `worker.cuda_graphs` off and on. Binaries of another build placed
+# beside them with the suffix `-before` (rivulet-worker-before, rivulet-worker-bench-before) are
+# measured too, in the same run, for a side-by-side ratio.
 set -uo pipefail
 BIN="$(cd "$1" && pwd)"
 MODEL="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
@@ -45,21 +46,26 @@ export RIVULET_WORKER__KV_CACHE_MEMORY_FRACTION=0.5
 export RIVULET_SCHEDULER__MAX_NUM_SEQS=1024
 export RIVULET_SCHEDULER__MAX_NUM_BATCHED_TOKENS=8192
 export RIVULET_SCHEDULER__MAX_QUEUED_REQUESTS=4096
-for worker in rivulet-worker-before rivulet-worker; do
-    [ -x "$BIN/$worker" ] || continue
-    echo "== $worker"
-    RIVULET_WORKER__BINARY="$BIN/$worker" "$BIN/rivulet-scheduler" >"$OUT/scheduler-$worker.log" 2>&1 &
+# Each configuration: a label, the worker binary, `worker.cuda_graphs`.
+configurations=("eager rivulet-worker false" "graphs rivulet-worker true")
+[ -x "$BIN/rivulet-worker-before" ] && configurations=("before rivulet-worker-before true" "${configurations[@]}")
+for configuration in "${configurations[@]}"; do
+    read -r label worker graphs <<<"$configuration"
+    echo "== $label"
+    RIVULET_WORKER__BINARY="$BIN/$worker" RIVULET_WORKER__CUDA_GRAPHS=$graphs \
+        "$BIN/rivulet-scheduler" >"$OUT/scheduler-$label.log" 2>&1 &
     scheduler=$!
-    "$BIN/rivulet-bench" wait-ready --timeout-secs 180 || { tail -30 "$OUT/scheduler-$worker.log"; kill $scheduler; continue; }
+    "$BIN/rivulet-bench" wait-ready --timeout-secs 180 || { tail -30 "$OUT/scheduler-$label.log"; kill $scheduler; continue; }
     for clients in "${CLIENTS[@]}"; do
         prompts=$((clients * 2 < 16 ? 16 : clients * 2))
         "$BIN/rivulet-bench" run --tokenizer "$MODEL" --num-prompts "$prompts" --max-concurrency "$clients" \
             --random-input-len 128 --random-output-len 128 --ignore-eos --no-progress \
-            --admin-url http://127.0.0.1:50052 --label "$worker ${clients} clients" --json "$OUT/bench.jsonl" \
+            --admin-url http://127.0.0.1:50052 --label "$label ${clients} clients" --json "$OUT/bench.jsonl" \
             >>"$OUT/bench.log" 2>&1
     done
     kill $scheduler
     wait $scheduler 2>/dev/null
+    grep -iE "graph|panic|error" "$OUT/scheduler-$label.log" | grep -v "request finished" | head -5
 done
 # The summary: one line per run.
 grep -E "^=+ .* clients|Output token throughput|P50 TTFT|P50 TPOT|Rivulet steps" "$OUT/bench.log"

@@ -1,35 +1,91 @@
 //! Links `libtorch_cuda` explicitly when the torch installation has it. Nothing in the worker
 //! calls into it directly, so the linker's `--as-needed` would drop it, and libtorch would then
 //! report that CUDA is absent even on a GPU machine.
+//!
+//! With it, and with the CUDA runtime's headers beside torch (the `nvidia` wheels PyPI's torch
+//! depends on), also compiles `cuda/graph_shim.cpp` (CUDA graph capture, which tch does not wrap)
+//! and sets `cfg(rivulet_cuda_graphs)`; without them the worker runs every CUDA step eagerly.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+
+fn python(code: &str) -> Option<String> {
+    let python = std::env::var("PYTHON_SYS_EXECUTABLE").unwrap_or_else(|_| "python3".to_owned());
+    let output = Command::new(python).args(["-c", code]).output().ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+}
 
 fn torch_lib_dir() -> Option<PathBuf> {
     if let Some(libtorch) = std::env::var_os("LIBTORCH") {
         return Some(PathBuf::from(libtorch).join("lib"));
     }
-    let python = std::env::var("PYTHON_SYS_EXECUTABLE").unwrap_or_else(|_| "python3".to_owned());
-    let output = Command::new(python)
-        .args([
-            "-c",
-            "import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))",
-        ])
-        .output()
-        .ok()?;
-    output
-        .status
-        .success()
-        .then(|| PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
+    python("import os, torch; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))").map(PathBuf::from)
+}
+
+/// The folders holding the CUDA runtime's headers: CUDA_HOME's; or, from the wheels beside torch,
+/// `nvidia`'s runtime headers with the `crt/` folder they include (part of nvcc, which is not
+/// installed; Triton, a torch dependency, ships one with its own CUDA headers).
+fn cuda_include_dirs(torch_lib: &Path) -> Option<Vec<PathBuf>> {
+    if let Some(home) = std::env::var_os("CUDA_HOME") {
+        let include = PathBuf::from(home).join("include");
+        if include.join("crt/host_config.h").exists() {
+            return Some(vec![include]);
+        }
+    }
+    let site_packages = torch_lib.parent().and_then(Path::parent)?;
+    let runtime = ["cu13", "cu12"]
+        .iter()
+        .map(|version| site_packages.join("nvidia").join(version).join("include"))
+        .find(|dir| dir.join("cuda_runtime_api.h").exists())?;
+    if runtime.join("crt/host_config.h").exists() {
+        return Some(vec![runtime]);
+    }
+    let crt = site_packages.join("triton/backends/nvidia/include");
+    crt.join("crt/host_config.h").exists().then(|| vec![runtime, crt])
+}
+
+fn build_graph_shim(torch_lib: &Path) -> bool {
+    let Some(torch_include) = torch_lib.parent().map(|torch| torch.join("include")) else {
+        return false;
+    };
+    if !torch_include.join("ATen/cuda/CUDAGraph.h").exists() {
+        return false;
+    }
+    let Some(cuda_includes) = cuda_include_dirs(torch_lib) else {
+        println!("cargo:warning=no CUDA runtime headers found: CUDA steps run without graphs");
+        return false;
+    };
+    let cxx11_abi = python("import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))").unwrap_or_else(|| "1".into());
+    cc::Build::new()
+        .cpp(true)
+        .file("cuda/graph_shim.cpp")
+        .include(&torch_include)
+        .include(torch_include.join("torch/csrc/api/include"))
+        .includes(cuda_includes)
+        .flag("-std=c++17")
+        .define("_GLIBCXX_USE_CXX11_ABI", cxx11_abi.as_str())
+        .warnings(false)
+        .compile("rivulet_graph_shim");
+    println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-lc10_cuda,--as-needed");
+    true
 }
 
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
     println!("cargo:rerun-if-env-changed=LIBTORCH_USE_PYTORCH");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-changed=cuda/graph_shim.cpp");
+    println!("cargo::rustc-check-cfg=cfg(rivulet_cuda_graphs)");
     if let Some(dir) = torch_lib_dir() {
         if dir.join("libtorch_cuda.so").exists() {
             println!("cargo:rustc-link-search=native={}", dir.display());
             println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
+            if build_graph_shim(&dir) {
+                println!("cargo:rustc-cfg=rivulet_cuda_graphs");
+            }
         }
     }
 }

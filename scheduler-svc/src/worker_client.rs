@@ -69,6 +69,8 @@ pub struct WorkerLaunch {
     pub libtorch_cpu: bool,
     /// `worker.batch_weight_copy`.
     pub batch_weight_copy: bool,
+    /// `worker.cuda_graphs`.
+    pub cuda_graphs: bool,
 }
 
 impl WorkerLaunch {
@@ -110,6 +112,7 @@ impl WorkerLaunch {
             json_logs: config.server.json_logs,
             libtorch_cpu: worker.libtorch_cpu,
             batch_weight_copy: worker.batch_weight_copy,
+            cuda_graphs: worker.cuda_graphs,
         }
     }
 }
@@ -232,6 +235,9 @@ impl WorkerClient {
         }
         if !launch.batch_weight_copy {
             command.arg("--no-batch-weight-copy");
+        }
+        if !launch.cuda_graphs {
+            command.arg("--no-cuda-graphs");
         }
         command.env("RIVULET_SERVER__JSON_LOGS", launch.json_logs.to_string());
         let child = command.spawn().map_err(|source| WorkerClientError::Spawn {

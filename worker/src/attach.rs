@@ -92,5 +92,6 @@ pub fn options(assignment: &AttachAssignment, device: String, threads: Option<us
         half_precision_gemv: assignment.half_precision_gemv,
         libtorch_cpu: false,
         batch_weight_copy: true,
+        cuda_graphs: true,
     }
 }

@@ -158,6 +158,35 @@ impl AttentionPlan {
         }
     }
 
+    /// A decode step of `[batch]` sequences, one token each in sequence order, described by device
+    /// tensors alone (`block_tables`: `[batch, blocks]`, `context`: `[batch]`, i64): the plan's
+    /// mask is computed by device ops from them, so a CUDA graph that records this plan's
+    /// construction recomputes it from whatever those tensors hold at replay.
+    pub fn decode_on_device(
+        block_tables: &Tensor,
+        context: &Tensor,
+        block_size: i64,
+        head_dim: usize,
+        kind: Kind,
+    ) -> Self {
+        let (batch, blocks) = block_tables.size2().expect("block tables are [batch, blocks]");
+        let device = block_tables.device();
+        let allowed = Tensor::arange(blocks * block_size, (Kind::Int64, device))
+            .unsqueeze(0)
+            .lt_tensor(&context.unsqueeze(1))
+            .view([batch, 1, 1, blocks * block_size]);
+        Self {
+            decode: Some(DecodeGroup {
+                token_rows: Tensor::arange(batch, (Kind::Int64, device)),
+                is_whole_batch: true,
+                keys: KeyGather::new(block_tables, blocks, &allowed, kind),
+            }),
+            prefill: None,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            block_size,
+        }
+    }
+
     /// `queries`: `[tokens, n_heads, head_dim]`; `key_cache`/`value_cache`: flat
     /// `[slots, n_kv_heads, head_dim]` with this step's tokens already written.
     /// Returns `[tokens, n_heads * head_dim]`.

@@ -92,6 +92,16 @@ impl KvCache {
     pub fn num_slots(&self) -> usize {
         self.num_blocks * self.block_size
     }
+
+    /// Takes the last block out of the ones offered to the scheduler (for the worker's own use,
+    /// e.g. [`crate::decode_graphs`]' padding rows) and returns its id; `None` when that would
+    /// leave fewer than one `max_model_len`-token sequence needs.
+    pub fn reserve_block(&mut self, max_model_len: usize) -> Option<usize> {
+        (self.num_blocks > max_model_len.div_ceil(self.block_size)).then(|| {
+            self.num_blocks -= 1;
+            self.num_blocks
+        })
+    }
 }
 
 /// The KV cache of the CPU kernels ([`crate::cpu_model`]): per layer, K and V as plain f32

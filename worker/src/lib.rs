@@ -6,6 +6,8 @@
 //! - [`weights`]: GGUF tensors dequantized into libtorch tensors.
 //! - [`cpu_model`]: the forward pass on the CPU with Rivulet's kernels (weights in GGUF blocks).
 //! - [`model`]: the forward pass with libtorch (CUDA; the CPU when asked).
+//! - [`decode_graphs`], [`cuda_graph`]: CUDA decode steps replayed from captured graphs (the
+//!   latter's FFI to `cuda/graph_shim.cpp` is the worker's other `unsafe`).
 //! - [`kv_cache`]: the paged KV cache tensors and their sizing from a memory budget.
 //! - [`attention`]: per-step attention metadata and paged attention.
 //! - [`step_view`]: the only `unsafe`: step-buffer arrays wrapped as tensors without a copy.
@@ -16,6 +18,8 @@ pub mod attach;
 pub mod attention;
 pub mod config;
 pub mod cpu_model;
+pub mod cuda_graph;
+pub mod decode_graphs;
 pub mod device;
 pub mod error;
 pub mod half_gemv;

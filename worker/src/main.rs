@@ -61,6 +61,10 @@ struct Args {
     /// `worker.batch_weight_copy` is false.
     #[arg(long)]
     no_batch_weight_copy: bool,
+    /// CUDA: run every step eagerly, op by op, instead of replaying captured graphs for decode
+    /// steps. The scheduler passes it when `worker.cuda_graphs` is false.
+    #[arg(long)]
+    no_cuda_graphs: bool,
     /// Log lines as JSON; the scheduler's own setting (and variable), so a pod's log is one format.
     #[arg(long, env = "RIVULET_SERVER__JSON_LOGS")]
     json_logs: bool,
@@ -101,6 +105,7 @@ fn main() -> anyhow::Result<()> {
             let mut options = rivulet_worker::attach::options(&assignment, args.device, args.threads);
             options.libtorch_cpu = args.libtorch_cpu;
             options.batch_weight_copy = !args.no_batch_weight_copy;
+            options.cuda_graphs = !args.no_cuda_graphs;
             (options, assignment.ipc_server)
         }
         (None, Some(server_name)) => {
@@ -118,6 +123,7 @@ fn main() -> anyhow::Result<()> {
                 half_precision_gemv: args.half_precision_gemv,
                 libtorch_cpu: args.libtorch_cpu,
                 batch_weight_copy: !args.no_batch_weight_copy,
+                cuda_graphs: !args.no_cuda_graphs,
             };
             (options, server_name)
         }

@@ -14,6 +14,7 @@ use tch::{Device, Kind, Tensor};
 use crate::attention::{AttentionPlan, SeqSlice};
 use crate::config::ModelConfig;
 use crate::cpu_model::{CpuModel, CpuStep, CpuWeights};
+use crate::decode_graphs::{DecodeGraphs, HostDecodeStep};
 use crate::device::{compute_kind, describe, select_device};
 use crate::error::WorkerError;
 use crate::hf_folder;
@@ -21,7 +22,7 @@ use crate::kv_cache::{HostKvCache, KvCache};
 use crate::memory::KvBudget;
 use crate::model::{ForwardInputs, LlamaModel};
 use crate::sampler::sample;
-use crate::step::{self, StepLimits};
+use crate::step::{self, HostStep, StepLimits};
 use crate::step_view::StepView;
 use crate::weights::ModelWeights;
 
@@ -42,14 +43,20 @@ pub struct WorkerOptions {
     /// CPU kernels: keep a copy of the weights arranged for steps of 9+ tokens
     /// ([`CpuWeights::add_panels`]).
     pub batch_weight_copy: bool,
+    /// CUDA: decode steps through captured graphs ([`crate::decode_graphs`]).
+    pub cuda_graphs: bool,
 }
 
 /// What runs the forward pass.
 enum Engine {
     /// Rivulet's CPU kernels over the weights in their GGUF blocks ([`crate::cpu_model`]).
     Kernels { model: CpuModel, kv_cache: HostKvCache },
-    /// libtorch: CUDA, or the CPU when asked.
-    Torch { model: LlamaModel, kv_cache: KvCache },
+    /// libtorch: CUDA, or the CPU when asked; on CUDA, decode steps through graphs when enabled.
+    Torch {
+        model: LlamaModel,
+        kv_cache: KvCache,
+        graphs: Option<DecodeGraphs>,
+    },
 }
 
 pub struct Worker {
@@ -124,7 +131,15 @@ impl Worker {
                 }
             }
             LoadedWeights::Torch(weights) => {
-                let kv_cache = KvCache::allocate(&config, block_size, kv_memory, max_model_len, device, kind)?;
+                let mut kv_cache = KvCache::allocate(&config, block_size, kv_memory, max_model_len, device, kind)?;
+                // The graphs' padding rows need a block of their own, taken from the scheduler's.
+                let graphs = if options.cuda_graphs && crate::cuda_graph::supported() {
+                    kv_cache
+                        .reserve_block(max_model_len)
+                        .and_then(|scratch| DecodeGraphs::new(device, block_size, scratch))
+                } else {
+                    None
+                };
                 let mut model = LlamaModel::new(config.clone(), weights, max_model_len, device, kind);
                 if device == Device::Cpu && kind == Kind::Float {
                     // The f16 copies are made from the dense weights, so before those move to oneDNN.
@@ -135,7 +150,11 @@ impl Worker {
                         model.use_onednn_projections()?;
                     }
                 }
-                Engine::Torch { model, kv_cache }
+                Engine::Torch {
+                    model,
+                    kv_cache,
+                    graphs,
+                }
             }
         };
         let (num_blocks, block_size) = match &engine {
@@ -200,7 +219,7 @@ impl Worker {
                     };
                     model.forward(&step, kv_cache)?
                 }
-                Engine::Torch { model, kv_cache } => {
+                Engine::Torch { model, kv_cache, .. } => {
                     let device = model.device;
                     let table = Tensor::zeros([1, 1], (Kind::Int64, device));
                     let ids = Tensor::zeros([count], (Kind::Int64, device));
@@ -277,30 +296,32 @@ impl Worker {
                 };
                 (model.forward(&step, kv_cache)?, Device::Cpu)
             }
-            Engine::Torch { model, kv_cache } => {
+            Engine::Torch {
+                model,
+                kv_cache,
+                graphs,
+            } => {
                 let device = model.device;
-                let on_device = |t: &Tensor| -> Result<Tensor, WorkerError> { Ok(t.f_to_device(device)?) };
-                let input_ids = on_device(&view.input_ids)?;
-                let positions = on_device(&view.positions)?;
-                let slot_mapping = on_device(&view.slot_mapping)?;
-                let block_tables = on_device(&view.block_tables)?;
-                let plan = AttentionPlan::new(
-                    &host.seqs,
-                    &block_tables,
-                    kv_cache.block_size as i64,
-                    model.config.head_dim,
-                    device,
-                    model.kind,
-                );
-                let rows = Tensor::f_from_slice(&logit_rows)?.f_to_device(device)?;
-                let inputs = ForwardInputs {
-                    input_ids: &input_ids,
-                    positions: &positions,
-                    slot_mapping: &slot_mapping,
-                    attention: &plan,
-                    logit_rows: &rows,
-                };
-                (model.forward(&inputs, kv_cache), device)
+                if let Some(graphs) = graphs
+                    .as_mut()
+                    .filter(|_| HostDecodeStep::is_plain_decode(&host.seqs, &host.logit_rows))
+                {
+                    let layout = buffer.layout();
+                    let (rows, max_blocks) = (host.seqs.len(), layout.capacity.max_blocks_per_seq as usize);
+                    let step = HostDecodeStep {
+                        input_ids: &buffer.array(layout.input_ids)[..rows],
+                        positions: &buffer.array(layout.positions)[..rows],
+                        slot_mapping: &buffer.array(layout.slot_mapping)[..rows],
+                        seqs: &host.seqs,
+                        block_tables: &buffer.array(layout.block_tables)[..rows * max_blocks],
+                        max_blocks,
+                    };
+                    graphs.forward(model, kv_cache, &step)
+                } else {
+                    None
+                }
+                .map_or_else(|| eager_torch_step(model, kv_cache, &view, &host, &logit_rows), Ok)
+                .map(|logits| (logits, device))?
             }
         };
         if host.sampled_seqs.is_empty() {
@@ -310,6 +331,39 @@ impl Worker {
         let sampled = sample(&logits, &batch);
         step::write_outputs(&mut view, &host, &sampled)
     }
+}
+
+/// A libtorch step op by op: the step buffer's arrays copied to the device, then the forward pass.
+fn eager_torch_step(
+    model: &LlamaModel,
+    kv_cache: &KvCache,
+    view: &StepView<'_>,
+    host: &HostStep,
+    logit_rows: &[i64],
+) -> Result<Tensor, WorkerError> {
+    let device = model.device;
+    let on_device = |t: &Tensor| -> Result<Tensor, WorkerError> { Ok(t.f_to_device(device)?) };
+    let input_ids = on_device(&view.input_ids)?;
+    let positions = on_device(&view.positions)?;
+    let slot_mapping = on_device(&view.slot_mapping)?;
+    let block_tables = on_device(&view.block_tables)?;
+    let plan = AttentionPlan::new(
+        &host.seqs,
+        &block_tables,
+        kv_cache.block_size as i64,
+        model.config.head_dim,
+        device,
+        model.kind,
+    );
+    let rows = Tensor::f_from_slice(logit_rows)?.f_to_device(device)?;
+    let inputs = ForwardInputs {
+        input_ids: &input_ids,
+        positions: &positions,
+        slot_mapping: &slot_mapping,
+        attention: &plan,
+        logit_rows: &rows,
+    };
+    Ok(model.forward(&inputs, kv_cache))
 }
 
 /// Weights as loaded, before the engine is built around them.

@@ -1,13 +1,15 @@
 //! libtorch's forward pass (the CUDA engine) on the real model: several prompts' prefill chunks in
 //! one step give each prompt the next tokens it gets alone (on the CPU, in f32, always; on CUDA too
 //! where a device exists), and the model in bf16 on the GPU gives the same greedy next tokens as f32
-//! on the CPU. The CUDA parts are skipped, saying so, where no CUDA device exists.
+//! on the CPU; decode steps replayed from a CUDA graph give the eager steps' tokens. The CUDA parts
+//! are skipped, saying so, where no CUDA device exists.
 
 use std::path::PathBuf;
 
 use rivulet_gguf::GgufFile;
 use rivulet_worker::attention::{AttentionPlan, SeqSlice};
 use rivulet_worker::config::ModelConfig;
+use rivulet_worker::decode_graphs::{DecodeGraphs, HostDecodeStep};
 use rivulet_worker::device::compute_kind;
 use rivulet_worker::kv_cache::KvCache;
 use rivulet_worker::model::{ForwardInputs, LlamaModel};
@@ -174,4 +176,69 @@ fn bf16_on_cuda_agrees_with_f32_on_cpu() {
     let agree = cpu.iter().zip(&gpu).filter(|(a, b)| a == b).count();
     // bf16 rounding may flip a near-tie; most positions must agree.
     assert!(agree * 10 >= cpu.len() * 8, "cpu {cpu:?} vs cuda {gpu:?}");
+}
+
+/// Decode steps through [`DecodeGraphs`] (the first captures, the next two replay, the last with
+/// new inputs) give the tokens of the same steps run eagerly.
+#[test]
+fn decode_graph_replays_match_eager_steps() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device on this machine");
+        return;
+    }
+    if !rivulet_worker::cuda_graph::supported() {
+        eprintln!("skipped: this build has no CUDA graph support");
+        return;
+    }
+    let _guard = tch::no_grad_guard();
+    let mut engine = Engine::load(&model_file(), Device::Cuda(0));
+    let scratch = engine.cache.reserve_block(256).expect("a spare block");
+    let mut graphs = DecodeGraphs::new(Device::Cuda(0), BLOCK_SIZE as usize, scratch).expect("graphs");
+    let prompts = [PROMPT_A, PROMPT_B, PROMPT_C];
+    let mut lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+    let mut next: Vec<i64> = engine
+        .prefill_step(&prompts)
+        .iter()
+        .map(|t| *t.last().expect("a token"))
+        .collect();
+    let tables: Vec<i64> = (0..prompts.len() as i64 * MAX_BLOCKS).collect();
+    for round in 0..3 {
+        let replays = if round == 0 { 2 } else { 1 };
+        let mut through_graph = Vec::new();
+        for _ in 0..replays {
+            let seqs: Vec<SeqSlice> = lens
+                .iter()
+                .enumerate()
+                .map(|(i, &len)| SeqSlice {
+                    first_token: i as i64,
+                    num_tokens: 1,
+                    context_len: len as i64 + 1,
+                })
+                .collect();
+            let positions: Vec<i64> = lens.iter().map(|&len| len as i64).collect();
+            let slots: Vec<i64> = positions
+                .iter()
+                .enumerate()
+                .map(|(i, p)| i as i64 * MAX_BLOCKS * BLOCK_SIZE + p)
+                .collect();
+            let step = HostDecodeStep {
+                input_ids: &next,
+                positions: &positions,
+                slot_mapping: &slots,
+                seqs: &seqs,
+                block_tables: &tables,
+                max_blocks: MAX_BLOCKS as usize,
+            };
+            let logits = graphs
+                .forward(&engine.model, &engine.cache, &step)
+                .expect("a graph bucket");
+            through_graph.push(Vec::<i64>::try_from(logits.argmax(-1, false).to_device(Device::Cpu)).expect("tokens"));
+        }
+        let eager = engine.decode_step(&lens, &next);
+        for tokens in &through_graph {
+            assert_eq!(tokens, &eager, "round {round}");
+        }
+        next = eager;
+        lens.iter_mut().for_each(|len| *len += 1);
+    }
 }

@@ -1,0 +1,205 @@
+//! Decode steps on CUDA through captured graphs (`worker.cuda_graphs`).
+//!
+//! A decode step of the libtorch engine is ~600 small kernels; launched one by one from the host
+//! it costs 10+ ms whatever the batch, while the GPU is busy for 1-2 ms of it (measured on an H100:
+//! README, "On a GPU"). So, as vLLM does, each decode step whose shape fits is padded to a bucket
+//! (batch: the next power of two up to [`MAX_BATCH`]; key blocks: the next power of two from
+//! [`MIN_BLOCKS`]) and run by replaying a graph captured for that bucket: one host-to-device copy
+//! of the step's inputs, one launch. A bucket's graph is captured on its first step, which runs
+//! eagerly (that also warms up cuBLAS and cuDNN for the shape). Prefill steps, and decode steps
+//! larger than the buckets, run eagerly; by then the GPU's work outweighs the launches.
+//!
+//! Padding rows read and write one KV block the scheduler never hands out (the last one,
+//! reserved by [`DecodeGraphs::new`]'s caller); their logits are dropped.
+
+use std::collections::HashMap;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::attention::{AttentionPlan, SeqSlice};
+use crate::cuda_graph::{Graph, GraphError};
+use crate::kv_cache::KvCache;
+use crate::model::{ForwardInputs, LlamaModel};
+
+/// Largest decode batch run through a graph.
+pub const MAX_BATCH: i64 = 256;
+/// Fewest key blocks a bucket gathers (256 tokens at block size 16).
+pub const MIN_BLOCKS: i64 = 16;
+/// Largest `batch × blocks` run through a graph: its gathered keys and values take
+/// `2 · batch · blocks · block bytes` of the graphs' shared memory pool per layer in flight.
+pub const MAX_BATCH_BLOCKS: i64 = 1 << 14;
+
+/// A decode step as the step buffer holds it: sequence `i` is token row `i`.
+pub struct HostDecodeStep<'a> {
+    pub input_ids: &'a [i64],
+    pub positions: &'a [i64],
+    pub slot_mapping: &'a [i64],
+    pub seqs: &'a [SeqSlice],
+    /// `[seqs, max_blocks]`, row-major.
+    pub block_tables: &'a [i64],
+    pub max_blocks: usize,
+}
+
+impl HostDecodeStep<'_> {
+    /// Whether the step is decode only, each sequence one token at row `i`, sampled in order.
+    pub fn is_plain_decode(seqs: &[SeqSlice], logit_rows: &[i64]) -> bool {
+        !seqs.is_empty()
+            && seqs.len() == logit_rows.len()
+            && seqs
+                .iter()
+                .zip(logit_rows)
+                .enumerate()
+                .all(|(i, (s, &row))| s.num_tokens == 1 && s.first_token == i as i64 && row == i as i64)
+    }
+}
+
+struct Captured {
+    graph: Graph,
+    /// The graph's inputs, one i64 buffer: ids, positions, slots, context lengths (`[batch]`
+    /// each), then the block tables (`[batch, blocks]`).
+    inputs: Tensor,
+    /// `[batch, vocab]` f32, rewritten by each replay.
+    logits: Tensor,
+}
+
+pub struct DecodeGraphs {
+    device_index: usize,
+    block_size: i64,
+    scratch_block: i64,
+    captured: HashMap<(i64, i64), Captured>,
+    /// Set after a capture fails: every step then runs eagerly.
+    disabled: bool,
+}
+
+impl DecodeGraphs {
+    /// `scratch_block`: a KV block no sequence uses, for the padding rows.
+    pub fn new(device: Device, block_size: usize, scratch_block: usize) -> Option<Self> {
+        let Device::Cuda(device_index) = device else {
+            return None;
+        };
+        crate::cuda_graph::supported().then(|| Self {
+            device_index,
+            block_size: block_size as i64,
+            scratch_block: scratch_block as i64,
+            captured: HashMap::new(),
+            disabled: false,
+        })
+    }
+
+    /// The step's logits (`[seqs, vocab]` f32) through a graph, or `None` when the step does not
+    /// fit one (the caller runs it eagerly). The logits are valid until the next call.
+    pub fn forward(&mut self, model: &LlamaModel, cache: &KvCache, step: &HostDecodeStep<'_>) -> Option<Tensor> {
+        if self.disabled {
+            return None;
+        }
+        let (batch, blocks) = self.bucket(step)?;
+        let inputs = self.padded_inputs(step, batch, blocks);
+        let rows = step.seqs.len() as i64;
+        if let Some(captured) = self.captured.get(&(batch, blocks)) {
+            let mut buffer = captured.inputs.shallow_clone();
+            buffer.copy_(&Tensor::from_slice(&inputs));
+            return match captured.graph.replay() {
+                Ok(()) => Some(captured.logits.narrow(0, 0, rows)),
+                Err(error) => {
+                    self.disable(&error);
+                    None
+                }
+            };
+        }
+        // First step of this bucket: eagerly (the result of this step), then record the same.
+        let device = Device::Cuda(self.device_index);
+        let buffer = Tensor::from_slice(&inputs).to_device(device);
+        let block_size = self.block_size;
+        let logits = decode_forward(model, cache, &buffer, batch, blocks, block_size);
+        let pool = self.captured.values().next().map(|c| &c.graph);
+        match Graph::capture(self.device_index, pool, || {
+            decode_forward(model, cache, &buffer, batch, blocks, block_size)
+        }) {
+            Ok((graph, graph_logits)) => {
+                tracing::debug!(batch, blocks, "captured a CUDA graph for decode steps");
+                self.captured.insert(
+                    (batch, blocks),
+                    Captured {
+                        graph,
+                        inputs: buffer,
+                        logits: graph_logits,
+                    },
+                );
+            }
+            Err(error) => self.disable(&error),
+        }
+        Some(logits.narrow(0, 0, rows))
+    }
+
+    fn disable(&mut self, error: &GraphError) {
+        tracing::warn!(%error, "CUDA graphs disabled: decode steps run eagerly");
+        self.disabled = true;
+        self.captured.clear();
+    }
+
+    /// The (batch, blocks) bucket of a plain decode step, if one holds it.
+    fn bucket(&self, step: &HostDecodeStep<'_>) -> Option<(i64, i64)> {
+        let rows = step.seqs.len() as i64;
+        let batch = (rows as u64).next_power_of_two() as i64;
+        let needed = step
+            .seqs
+            .iter()
+            .map(|s| (s.context_len + self.block_size - 1) / self.block_size)
+            .max()?;
+        let blocks = (needed.max(MIN_BLOCKS) as u64).next_power_of_two() as i64;
+        (batch <= MAX_BATCH && batch * blocks <= MAX_BATCH_BLOCKS).then_some((batch, blocks))
+    }
+
+    /// The graph's input buffer for `step`: its rows, then padding rows that attend to one token of
+    /// the scratch block and write their K/V there; each table row is padded with the scratch block.
+    fn padded_inputs(&self, step: &HostDecodeStep<'_>, batch: i64, blocks: i64) -> Vec<i64> {
+        let rows = step.seqs.len();
+        let (batch, blocks) = (batch as usize, blocks as usize);
+        let mut inputs = vec![0i64; 4 * batch + batch * blocks];
+        let (ids, rest) = inputs.split_at_mut(batch);
+        let (positions, rest) = rest.split_at_mut(batch);
+        let (slots, rest) = rest.split_at_mut(batch);
+        let (context, tables) = rest.split_at_mut(batch);
+        ids[..rows].copy_from_slice(&step.input_ids[..rows]);
+        positions[..rows].copy_from_slice(&step.positions[..rows]);
+        slots[..rows].copy_from_slice(&step.slot_mapping[..rows]);
+        slots[rows..].fill(self.scratch_block * self.block_size);
+        for (c, s) in context.iter_mut().zip(step.seqs) {
+            *c = s.context_len;
+        }
+        context[rows..].fill(1);
+        // Only the blocks a sequence's context covers (the ones the step's validation checked).
+        tables.fill(self.scratch_block);
+        for ((row, table), seq) in tables.chunks_mut(blocks).enumerate().zip(step.seqs) {
+            let used = ((seq.context_len + self.block_size - 1) / self.block_size) as usize;
+            let used = used.min(blocks).min(step.max_blocks);
+            let start = row * step.max_blocks;
+            table[..used].copy_from_slice(&step.block_tables[start..start + used]);
+        }
+        inputs
+    }
+}
+
+/// The decode forward pass reading everything from `inputs` (see [`Captured::inputs`]).
+fn decode_forward(
+    model: &LlamaModel,
+    cache: &KvCache,
+    inputs: &Tensor,
+    batch: i64,
+    blocks: i64,
+    block_size: i64,
+) -> Tensor {
+    let part = |index: i64| inputs.narrow(0, index * batch, batch);
+    let (ids, positions, slots, context) = (part(0), part(1), part(2), part(3));
+    let tables = inputs.narrow(0, 4 * batch, batch * blocks).view([batch, blocks]);
+    let plan = AttentionPlan::decode_on_device(&tables, &context, block_size, model.config.head_dim, model.kind);
+    let rows = Tensor::arange(batch, (Kind::Int64, inputs.device()));
+    let forward_inputs = ForwardInputs {
+        input_ids: &ids,
+        positions: &positions,
+        slot_mapping: &slots,
+        attention: &plan,
+        logit_rows: &rows,
+    };
+    model.forward(&forward_inputs, cache)
+}
