@@ -133,7 +133,7 @@ impl Worker {
             LoadedWeights::Torch(weights) => {
                 let mut kv_cache = KvCache::allocate(&config, block_size, kv_memory, max_model_len, device, kind)?;
                 // The graphs' padding rows need a block of their own, taken from the scheduler's.
-                let graphs = if options.cuda_graphs && crate::cuda_graph::supported() {
+                let graphs = if options.cuda_graphs && device.is_cuda() && crate::cuda_graph::supported() {
                     kv_cache
                         .reserve_block(max_model_len)
                         .and_then(|scratch| DecodeGraphs::new(device, block_size, scratch))
