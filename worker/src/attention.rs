@@ -85,9 +85,13 @@ impl AttentionPlan {
         kind: Kind,
     ) -> Self {
         let on_device = |values: &[i64]| Tensor::from_slice(values).to_device(device);
+        // The block-table rows of the sequences at `indices`.
+        let tables_of = |indices: &[usize]| {
+            let indices: Vec<i64> = indices.iter().map(|&i| i as i64).collect();
+            block_tables.index_select(0, &on_device(&indices))
+        };
         let decode_seqs: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].num_tokens == 1).collect();
         let decode = (!decode_seqs.is_empty()).then(|| {
-            let seq_index: Vec<i64> = decode_seqs.iter().map(|&i| i as i64).collect();
             let token_rows: Vec<i64> = decode_seqs.iter().map(|&i| seqs[i].first_token).collect();
             let context: Vec<i64> = decode_seqs.iter().map(|&i| seqs[i].context_len).collect();
             let max_context = context.iter().copied().max().unwrap_or(1);
@@ -103,12 +107,7 @@ impl AttentionPlan {
             DecodeGroup {
                 token_rows: on_device(&token_rows),
                 is_whole_batch,
-                keys: KeyGather::new(
-                    &block_tables.index_select(0, &on_device(&seq_index)),
-                    num_blocks,
-                    &allowed,
-                    kind,
-                ),
+                keys: KeyGather::new(&tables_of(&decode_seqs), num_blocks, &allowed, kind),
             }
         });
         let chunks: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].num_tokens > 1).collect();
@@ -136,18 +135,12 @@ impl AttentionPlan {
                 .view([1, 1, -1])
                 .le_tensor(&on_device(&query_pos).view([-1, max_queries, 1]))
                 .unsqueeze(1);
-            let seq_index: Vec<i64> = chunks.iter().map(|&i| i as i64).collect();
             PrefillGroup {
                 padded_rows: on_device(&padded_rows),
                 kept: on_device(&kept),
                 token_rows: on_device(&token_rows),
                 max_queries,
-                keys: KeyGather::new(
-                    &block_tables.index_select(0, &on_device(&seq_index)),
-                    num_blocks,
-                    &allowed,
-                    kind,
-                ),
+                keys: KeyGather::new(&tables_of(&chunks), num_blocks, &allowed, kind),
             }
         });
         Self {

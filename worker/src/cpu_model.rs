@@ -215,8 +215,10 @@ impl CpuWeights {
     }
 }
 
-/// One step's inputs, straight from the step buffer (validated by [`crate::step::validate`]).
-pub struct CpuStep<'a> {
+/// One step's inputs as the host holds them, straight from the step buffer (validated by
+/// [`crate::step::validate`]): what the CPU kernels run, and what a CUDA decode graph's inputs are
+/// copied from ([`crate::decode_graphs`]).
+pub struct HostStepInputs<'a> {
     pub input_ids: &'a [i64],
     pub positions: &'a [i64],
     pub slot_mapping: &'a [i64],
@@ -278,11 +280,11 @@ impl CpuModel {
     }
 
     /// Runs the step and returns f32 logits `[logit_rows, vocab]`.
-    pub fn forward(&self, step: &CpuStep<'_>, cache: &mut HostKvCache) -> Result<Tensor, WorkerError> {
+    pub fn forward(&self, step: &HostStepInputs<'_>, cache: &mut HostKvCache) -> Result<Tensor, WorkerError> {
         self.pool.install(|| self.forward_in_pool(step, cache))
     }
 
-    fn forward_in_pool(&self, step: &CpuStep<'_>, cache: &mut HostKvCache) -> Result<Tensor, WorkerError> {
+    fn forward_in_pool(&self, step: &HostStepInputs<'_>, cache: &mut HostKvCache) -> Result<Tensor, WorkerError> {
         let config = &self.config;
         let (hidden_size, kv_dim) = (config.hidden_size, config.kv_dim());
         let q_dim = config.num_heads * config.head_dim;
@@ -360,7 +362,7 @@ impl CpuModel {
     }
 
     /// What each token attends to: its sequence's block table and its position + 1 keys.
-    fn token_keys<'a>(&self, step: &CpuStep<'a>) -> Result<Vec<TokenKeys<'a>>, WorkerError> {
+    fn token_keys<'a>(&self, step: &HostStepInputs<'a>) -> Result<Vec<TokenKeys<'a>>, WorkerError> {
         let mut keys = Vec::with_capacity(step.input_ids.len());
         for (i, seq) in step.seqs.iter().enumerate() {
             let table = step

@@ -80,7 +80,7 @@ impl Graph {
             let recorded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(record));
             // SAFETY: `graph.raw` is live and capturing.
             let ended = ffi::check(unsafe { ffi::rivulet_graph_capture_end(graph.raw.as_ptr()) });
-            let value = recorded.map_err(|panic| GraphError::Recording(panic_message(&panic)))?;
+            let value = recorded.map_err(|panic| GraphError::Recording(crate::error::panic_message(&panic)))?;
             ended.map_err(GraphError::Cuda)?;
             Ok((graph, value))
         }
@@ -109,15 +109,6 @@ impl Drop for Graph {
         // SAFETY: `self.raw` came from `rivulet_graph_new` and is deleted once, here.
         unsafe { ffi::rivulet_graph_delete(self.raw.as_ptr()) }
     }
-}
-
-#[cfg(rivulet_cuda_graphs)]
-fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-        .unwrap_or_else(|| "a panic".to_owned())
 }
 
 /// Whether this build can capture graphs (a CUDA torch with the CUDA runtime's headers).

@@ -16,7 +16,8 @@ use std::collections::HashMap;
 
 use tch::{Device, Kind, Tensor};
 
-use crate::attention::{AttentionPlan, SeqSlice};
+use crate::attention::AttentionPlan;
+use crate::cpu_model::HostStepInputs;
 use crate::cuda_graph::{Graph, GraphError};
 use crate::kv_cache::KvCache;
 use crate::model::{ForwardInputs, LlamaModel};
@@ -29,28 +30,17 @@ pub const MIN_BLOCKS: i64 = 16;
 /// `2 · batch · blocks · block bytes` of the graphs' shared memory pool per layer in flight.
 pub const MAX_BATCH_BLOCKS: i64 = 1 << 14;
 
-/// A decode step as the step buffer holds it: sequence `i` is token row `i`.
-pub struct HostDecodeStep<'a> {
-    pub input_ids: &'a [i64],
-    pub positions: &'a [i64],
-    pub slot_mapping: &'a [i64],
-    pub seqs: &'a [SeqSlice],
-    /// `[seqs, max_blocks]`, row-major.
-    pub block_tables: &'a [i64],
-    pub max_blocks: usize,
-}
-
-impl HostDecodeStep<'_> {
-    /// Whether the step is decode only, each sequence one token at row `i`, sampled in order.
-    pub fn is_plain_decode(seqs: &[SeqSlice], logit_rows: &[i64]) -> bool {
-        !seqs.is_empty()
-            && seqs.len() == logit_rows.len()
-            && seqs
-                .iter()
-                .zip(logit_rows)
-                .enumerate()
-                .all(|(i, (s, &row))| s.num_tokens == 1 && s.first_token == i as i64 && row == i as i64)
-    }
+/// Whether `step` is decode only, each sequence one token at row `i`, sampled in order: the
+/// steps a graph can run.
+pub fn is_plain_decode(step: &HostStepInputs<'_>) -> bool {
+    !step.seqs.is_empty()
+        && step.seqs.len() == step.logit_rows.len()
+        && step
+            .seqs
+            .iter()
+            .zip(step.logit_rows)
+            .enumerate()
+            .all(|(i, (s, &row))| s.num_tokens == 1 && s.first_token == i as i64 && row == i as i64)
 }
 
 struct Captured {
@@ -86,9 +76,10 @@ impl DecodeGraphs {
         })
     }
 
-    /// The step's logits (`[seqs, vocab]` f32) through a graph, or `None` when the step does not
-    /// fit one (the caller runs it eagerly). The logits are valid until the next call.
-    pub fn forward(&mut self, model: &LlamaModel, cache: &KvCache, step: &HostDecodeStep<'_>) -> Option<Tensor> {
+    /// The logits (`[seqs, vocab]` f32) of a step that [`is_plain_decode`], through a graph, or
+    /// `None` when the step does not fit one (the caller runs it eagerly). The logits are valid
+    /// until the next call.
+    pub fn forward(&mut self, model: &LlamaModel, cache: &KvCache, step: &HostStepInputs<'_>) -> Option<Tensor> {
         if self.disabled {
             return None;
         }
@@ -138,7 +129,7 @@ impl DecodeGraphs {
     }
 
     /// The (batch, blocks) bucket of a plain decode step, if one holds it.
-    fn bucket(&self, step: &HostDecodeStep<'_>) -> Option<(i64, i64)> {
+    fn bucket(&self, step: &HostStepInputs<'_>) -> Option<(i64, i64)> {
         let rows = step.seqs.len() as i64;
         let batch = (rows as u64).next_power_of_two() as i64;
         let needed = step
@@ -152,7 +143,7 @@ impl DecodeGraphs {
 
     /// The graph's input buffer for `step`: its rows, then padding rows that attend to one token of
     /// the scratch block and write their K/V there; each table row is padded with the scratch block.
-    fn padded_inputs(&self, step: &HostDecodeStep<'_>, batch: i64, blocks: i64) -> Vec<i64> {
+    fn padded_inputs(&self, step: &HostStepInputs<'_>, batch: i64, blocks: i64) -> Vec<i64> {
         let rows = step.seqs.len();
         let (batch, blocks) = (batch as usize, blocks as usize);
         let mut inputs = vec![0i64; 4 * batch + batch * blocks];

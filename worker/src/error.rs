@@ -21,3 +21,12 @@ pub enum WorkerError {
     #[error("IPC: {0}")]
     Ipc(String),
 }
+
+/// The text of a caught panic (libtorch's errors reach Rust as panics from tch).
+pub(crate) fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+        .unwrap_or_else(|| "libtorch panicked".to_owned())
+}

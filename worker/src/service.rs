@@ -13,10 +13,10 @@ use tch::{Device, Kind, Tensor};
 
 use crate::attention::{AttentionPlan, SeqSlice};
 use crate::config::ModelConfig;
-use crate::cpu_model::{CpuModel, CpuStep, CpuWeights};
-use crate::decode_graphs::{DecodeGraphs, HostDecodeStep};
+use crate::cpu_model::{CpuModel, CpuWeights, HostStepInputs};
+use crate::decode_graphs::{self, DecodeGraphs};
 use crate::device::{compute_kind, describe, select_device};
-use crate::error::WorkerError;
+use crate::error::{panic_message, WorkerError};
 use crate::hf_folder;
 use crate::kv_cache::{HostKvCache, KvCache};
 use crate::memory::KvBudget;
@@ -208,7 +208,7 @@ impl Worker {
             let positions: Vec<i64> = (first..first + count).collect();
             let logits = match &mut self.engine {
                 Engine::Kernels { model, kv_cache } => {
-                    let step = CpuStep {
+                    let step = HostStepInputs {
                         input_ids: &vec![0; count as usize],
                         positions: &positions,
                         slot_mapping: &positions,
@@ -280,48 +280,34 @@ impl Worker {
         } else {
             host.logit_rows.clone()
         };
+        let layout = buffer.layout();
+        let (tokens, seqs) = (header.num_tokens as usize, header.num_seqs as usize);
+        let max_blocks = layout.capacity.max_blocks_per_seq as usize;
+        let inputs = HostStepInputs {
+            input_ids: &buffer.array(layout.input_ids)[..tokens],
+            positions: &buffer.array(layout.positions)[..tokens],
+            slot_mapping: &buffer.array(layout.slot_mapping)[..tokens],
+            seqs: &host.seqs,
+            block_tables: &buffer.array(layout.block_tables)[..seqs * max_blocks],
+            max_blocks,
+            logit_rows: &logit_rows,
+        };
         let (logits, device) = match &mut self.engine {
-            Engine::Kernels { model, kv_cache } => {
-                let layout = buffer.layout();
-                let (tokens, seqs) = (header.num_tokens as usize, header.num_seqs as usize);
-                let max_blocks = layout.capacity.max_blocks_per_seq as usize;
-                let step = CpuStep {
-                    input_ids: &buffer.array(layout.input_ids)[..tokens],
-                    positions: &buffer.array(layout.positions)[..tokens],
-                    slot_mapping: &buffer.array(layout.slot_mapping)[..tokens],
-                    seqs: &host.seqs,
-                    block_tables: &buffer.array(layout.block_tables)[..seqs * max_blocks],
-                    max_blocks,
-                    logit_rows: &logit_rows,
-                };
-                (model.forward(&step, kv_cache)?, Device::Cpu)
-            }
+            Engine::Kernels { model, kv_cache } => (model.forward(&inputs, kv_cache)?, Device::Cpu),
             Engine::Torch {
                 model,
                 kv_cache,
                 graphs,
             } => {
-                let device = model.device;
-                if let Some(graphs) = graphs
+                let through_graph = graphs
                     .as_mut()
-                    .filter(|_| HostDecodeStep::is_plain_decode(&host.seqs, &host.logit_rows))
-                {
-                    let layout = buffer.layout();
-                    let (rows, max_blocks) = (host.seqs.len(), layout.capacity.max_blocks_per_seq as usize);
-                    let step = HostDecodeStep {
-                        input_ids: &buffer.array(layout.input_ids)[..rows],
-                        positions: &buffer.array(layout.positions)[..rows],
-                        slot_mapping: &buffer.array(layout.slot_mapping)[..rows],
-                        seqs: &host.seqs,
-                        block_tables: &buffer.array(layout.block_tables)[..rows * max_blocks],
-                        max_blocks,
-                    };
-                    graphs.forward(model, kv_cache, &step)
-                } else {
-                    None
-                }
-                .map_or_else(|| eager_torch_step(model, kv_cache, &view, &host, &logit_rows), Ok)
-                .map(|logits| (logits, device))?
+                    .filter(|_| decode_graphs::is_plain_decode(&inputs))
+                    .and_then(|graphs| graphs.forward(model, kv_cache, &inputs));
+                let logits = match through_graph {
+                    Some(logits) => logits,
+                    None => eager_torch_step(model, kv_cache, &view, &host, &logit_rows)?,
+                };
+                (logits, model.device)
             }
         };
         if host.sampled_seqs.is_empty() {
@@ -473,12 +459,4 @@ fn command_loop(
 
 fn send(events: &IpcSender<WorkerEvent>, event: WorkerEvent) -> Result<(), WorkerError> {
     events.send(event).map_err(|e| WorkerError::Ipc(e.to_string()))
-}
-
-fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<String>()
-        .cloned()
-        .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
-        .unwrap_or_else(|| "libtorch panicked".to_owned())
 }

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 use rivulet_gguf::GgufFile;
 use rivulet_worker::attention::{AttentionPlan, SeqSlice};
 use rivulet_worker::config::ModelConfig;
-use rivulet_worker::decode_graphs::{DecodeGraphs, HostDecodeStep};
+use rivulet_worker::cpu_model::HostStepInputs;
+use rivulet_worker::decode_graphs::DecodeGraphs;
 use rivulet_worker::device::compute_kind;
 use rivulet_worker::kv_cache::KvCache;
 use rivulet_worker::model::{ForwardInputs, LlamaModel};
@@ -81,23 +82,8 @@ impl Engine {
     /// One decode step after [`Self::prefill_step`]: each sequence's `next` token at the position
     /// after its prompt.
     fn decode_step(&self, prompt_lens: &[usize], next: &[i64]) -> Vec<i64> {
-        let seqs: Vec<SeqSlice> = prompt_lens
-            .iter()
-            .enumerate()
-            .map(|(i, &len)| SeqSlice {
-                first_token: i as i64,
-                num_tokens: 1,
-                context_len: len as i64 + 1,
-            })
-            .collect();
-        let positions: Vec<i64> = prompt_lens.iter().map(|&len| len as i64).collect();
-        let slots: Vec<i64> = positions
-            .iter()
-            .enumerate()
-            .map(|(i, p)| i as i64 * MAX_BLOCKS * BLOCK_SIZE + p)
-            .collect();
-        let rows: Vec<i64> = (0..seqs.len() as i64).collect();
-        self.step(&seqs, next, &positions, &slots, &rows)
+        let decode = DecodeLayout::after(prompt_lens);
+        self.step(&decode.seqs, next, &decode.positions, &decode.slots, &decode.rows)
     }
 
     fn step(&self, seqs: &[SeqSlice], ids: &[i64], positions: &[i64], slots: &[i64], rows: &[i64]) -> Vec<i64> {
@@ -117,6 +103,42 @@ impl Engine {
         };
         let logits = self.model.forward(&inputs, &self.cache);
         Vec::<i64>::try_from(logits.argmax(-1, false).to_device(Device::Cpu)).expect("tokens")
+    }
+}
+
+/// A decode step's layout: sequence `i` (in blocks `i·MAX_BLOCKS..`) decodes one token at the
+/// position after its `prompt_lens[i]` tokens, at row `i`.
+struct DecodeLayout {
+    seqs: Vec<SeqSlice>,
+    positions: Vec<i64>,
+    slots: Vec<i64>,
+    rows: Vec<i64>,
+}
+
+impl DecodeLayout {
+    fn after(prompt_lens: &[usize]) -> Self {
+        let seqs = prompt_lens
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| SeqSlice {
+                first_token: i as i64,
+                num_tokens: 1,
+                context_len: len as i64 + 1,
+            })
+            .collect();
+        let positions: Vec<i64> = prompt_lens.iter().map(|&len| len as i64).collect();
+        let slots = positions
+            .iter()
+            .enumerate()
+            .map(|(i, p)| i as i64 * MAX_BLOCKS * BLOCK_SIZE + p)
+            .collect();
+        let rows = (0..prompt_lens.len() as i64).collect();
+        Self {
+            seqs,
+            positions,
+            slots,
+            rows,
+        }
     }
 }
 
@@ -206,28 +228,15 @@ fn decode_graph_replays_match_eager_steps() {
         let replays = if round == 0 { 2 } else { 1 };
         let mut through_graph = Vec::new();
         for _ in 0..replays {
-            let seqs: Vec<SeqSlice> = lens
-                .iter()
-                .enumerate()
-                .map(|(i, &len)| SeqSlice {
-                    first_token: i as i64,
-                    num_tokens: 1,
-                    context_len: len as i64 + 1,
-                })
-                .collect();
-            let positions: Vec<i64> = lens.iter().map(|&len| len as i64).collect();
-            let slots: Vec<i64> = positions
-                .iter()
-                .enumerate()
-                .map(|(i, p)| i as i64 * MAX_BLOCKS * BLOCK_SIZE + p)
-                .collect();
-            let step = HostDecodeStep {
+            let decode = DecodeLayout::after(&lens);
+            let step = HostStepInputs {
                 input_ids: &next,
-                positions: &positions,
-                slot_mapping: &slots,
-                seqs: &seqs,
+                positions: &decode.positions,
+                slot_mapping: &decode.slots,
+                seqs: &decode.seqs,
                 block_tables: &tables,
                 max_blocks: MAX_BLOCKS as usize,
+                logit_rows: &decode.rows,
             };
             let logits = graphs
                 .forward(&engine.model, &engine.cache, &step)

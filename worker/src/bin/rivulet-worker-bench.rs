@@ -14,7 +14,7 @@ use anyhow::Context;
 use rivulet_gguf::GgufFile;
 use rivulet_worker::attention::{AttentionPlan, SeqSlice};
 use rivulet_worker::config::ModelConfig;
-use rivulet_worker::cpu_model::{CpuModel, CpuStep, CpuWeights};
+use rivulet_worker::cpu_model::{CpuModel, CpuWeights, HostStepInputs};
 use rivulet_worker::kv_cache::{HostKvCache, KvCache};
 use rivulet_worker::model::{ForwardInputs, LlamaModel};
 use rivulet_worker::weights::ModelWeights;
@@ -224,7 +224,7 @@ impl KernelsBench {
         max_blocks: usize,
     ) {
         let rows: Vec<i64> = seqs.iter().map(|s| s.first_token + s.num_tokens - 1).collect();
-        let step = CpuStep {
+        let step = HostStepInputs {
             input_ids: ids,
             positions,
             slot_mapping: slots,
