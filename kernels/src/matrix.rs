@@ -29,6 +29,10 @@ const PACKED_TILE: usize = 256;
 /// Weight rows a task decodes together (the register kernel's height).
 const STRIP: usize = 4;
 
+/// Activation rows from which a product runs on AMX tiles where the CPU has them: below, a
+/// tile of 16 rows would be mostly padding and the AVX-512 GEMV is as fast.
+pub const AMX_MIN_BATCH: usize = 16;
+
 /// A `[rows, cols]` matrix in one of GGUF's formats, row-major, each row whole blocks.
 #[derive(Debug, Clone)]
 pub struct WeightMatrix {
@@ -220,22 +224,24 @@ impl WeightMatrix {
         // (`Packed`); `Portable` is the same idea in plain Rust.
         let whole_blocks = self.cols.is_multiple_of(32);
         let path = match isa {
+            Isa::Amx if self.panels.is_some() && batch >= AMX_MIN_BATCH => Path::PanelAmx,
             _ if self.panels_only => Path::PanelGemv,
+            Isa::Amx if self.panels.is_some() => Path::PanelGemv,
             Isa::Avx512 if self.panels.is_some() => Path::PanelGemv,
-            Isa::Avx2 | Isa::Avx512
+            Isa::Avx2 | Isa::Avx512 | Isa::Amx
                 if batch <= simd::GEMV_Q4_1_MAX_BATCH && self.format == GgmlType::Q4_1 && whole_blocks =>
             {
                 Path::GemvQ4_1
             }
-            Isa::Avx2 | Isa::Avx512
+            Isa::Avx2 | Isa::Avx512 | Isa::Amx
                 if batch <= simd::GEMV_MAX_BATCH && simd::gemv_decodes(self.format) && whole_blocks =>
             {
                 Path::Gemv
             }
-            Isa::Avx2 | Isa::Avx512 => Path::Packed,
+            Isa::Avx2 | Isa::Avx512 | Isa::Amx => Path::Packed,
             Isa::Portable => Path::Portable,
         };
-        let unit = if matches!(path, Path::Packed | Path::PanelGemv) {
+        let unit = if matches!(path, Path::Packed | Path::PanelGemv | Path::PanelAmx) {
             simd::PANEL
         } else {
             STRIP
@@ -252,6 +258,10 @@ impl WeightMatrix {
         let block_sums = match path {
             Path::PanelGemv if self.format != GgmlType::Q8_0 => simd::block_sums(x, self.cols, batch, self.cols),
             _ => Vec::new(),
+        };
+        let split = match path {
+            Path::PanelAmx => simd::SplitActivations::new(x, self.cols, batch, self.cols),
+            _ => simd::SplitActivations::default(),
         };
         (0..units.div_ceil(per_task)).into_par_iter().for_each(|task| {
             let first = task * per_task * unit;
@@ -301,6 +311,19 @@ impl WeightMatrix {
                             );
                             output.store_rows(first_column + panel, rows, &scratch.sums, simd::PANEL);
                         }
+                    }
+                }),
+                Path::PanelAmx => SCRATCH.with_borrow_mut(|scratch| {
+                    scratch.sums.resize(batch * simd::PANEL, 0.0);
+                    // `PanelAmx` is chosen only where panels exist and the CPU has AMX.
+                    if let Some(panels) = &self.panels {
+                        simd::Tiles::with(|| {
+                            for panel in (first..last).step_by(simd::PANEL) {
+                                let rows = simd::PANEL.min(last - panel);
+                                panels.product_amx(panel / simd::PANEL, &split, &mut scratch.sums);
+                                output.store_rows(first_column + panel, rows, &scratch.sums, simd::PANEL);
+                            }
+                        });
                     }
                 }),
                 Path::Packed => SCRATCH.with_borrow_mut(|scratch| {
@@ -455,6 +478,10 @@ impl WeightMatrix {
 /// A code path of the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
+    /// AMX tiles (bf16 products of the exact quants and split activations, `simd::amx`) for
+    /// steps of [`AMX_MIN_BATCH`] rows or more where a matrix keeps panels; [`Isa::Avx512`]
+    /// otherwise.
+    Amx,
     /// AVX-512F on top of [`Isa::Avx2`]: products straight from the panels, decoded in
     /// registers (`simd::panel_gemv`), where a matrix keeps them; the AVX2 paths otherwise.
     Avx512,
@@ -467,7 +494,9 @@ pub enum Isa {
 impl Isa {
     /// The fastest path this CPU runs.
     pub fn best() -> Self {
-        if simd::has_avx512() {
+        if simd::has_amx() {
+            Self::Amx
+        } else if simd::has_avx512() {
             Self::Avx512
         } else if simd::has_avx2() {
             Self::Avx2
@@ -479,6 +508,7 @@ impl Isa {
     /// Every path this CPU runs, fastest first (tests and benchmarks compare them).
     pub fn available() -> Vec<Self> {
         [
+            (simd::has_amx(), Self::Amx),
             (simd::has_avx512(), Self::Avx512),
             (simd::has_avx2(), Self::Avx2),
             (true, Self::Portable),
@@ -504,6 +534,7 @@ struct Scratch {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Path {
+    PanelAmx,
     PanelGemv,
     GemvQ4_1,
     Gemv,

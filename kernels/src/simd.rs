@@ -1,6 +1,6 @@
 //! The crate's only `unsafe` (here and in its children [`gemv_q4_1`], [`panels`],
-//! [`panel_gemv`] and [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F one, and the
-//! output handle that lets parallel tasks write disjoint columns of one matrix.
+//! [`panel_gemv`], [`amx`] and [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F
+//! one, an AMX one (with its own invariants, stated there), and the output handle that lets parallel tasks write disjoint columns of one matrix.
 //!
 //! Invariants, checked where each function is entered from safe code:
 //! - Every `#[target_feature]` function is called only after [`has_avx2`] (for `avx512f`
@@ -23,10 +23,12 @@ use std::marker::PhantomData;
 
 use rivulet_gguf::GgmlType;
 
+mod amx;
 mod gemv_q4_1;
 mod grouped_heads;
 mod panel_gemv;
 mod panels;
+pub use amx::{has_amx, SplitActivations, Tiles};
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
 pub use grouped_heads::{group_dots, weighted_rows};
 pub use panel_gemv::block_sums;

@@ -1,0 +1,427 @@
+//! Activation rows times a panel ([`Panels`]) on Intel AMX tiles, sixteen activation rows a
+//! tile. Part of [`super`]'s `unsafe`, under its invariants, and these of its own:
+//! - the functions here run only after [`has_amx`] returned true: the CPU has AMX-TILE,
+//!   AMX-BF16, AVX-512BW and AVX512-BF16, and Linux granted this process the tile state;
+//! - every tile instruction runs inside [`Tiles::with`], which loads this module's one tile
+//!   configuration on the calling thread before and releases the tiles after, and nothing else
+//!   in the program uses tiles (the compiler never does), so the registers named in the `asm!`
+//!   blocks hold what the block before put there.
+//!
+//! Why: a step of many rows is bound by f32 FMAs (~190 GFLOP/s on two cores with AVX-512),
+//! while one `tdpbf16ps` does 16×16×32 multiply-adds. bf16 keeps only 8 significant bits, so
+//! nothing is rounded that f32 would keep exactly:
+//! - the weights enter as their integer quants `q` (0..15, or -128..127 for Q8_0), exact in
+//!   bf16, and each block's `d` and offset are applied afterwards in f32, as in
+//!   [`super::panel_gemv`]: `Σ (d·q + offset)·x = d·Σ q·x + offset·Σ x`;
+//! - each activation is split into two bf16, `x = hi + lo + ε` with `hi` the nearest bf16 and
+//!   `lo` the nearest to `x - hi`, so `|ε| ≤ 2⁻¹⁸·|x|`; products of bf16 are exact in f32 and
+//!   the tile sums them in f32. The result is an f32 product to within a few ulps of the terms'
+//!   magnitude, like the FMA paths (the kernel tests hold it to the same tolerance).
+//!
+//! Layout: an activation matrix is split once per product into `hi` and `lo` rows of bf16
+//! ([`SplitActivations`], padded to whole tiles with zero rows); each panel block's quants are
+//! widened in registers into a 1 KiB tile in AMX's pair layout (row `p` holds, for each of the 16
+//! weight rows `n`, the quants of columns `2p` and `2p + 1`), once per panel for every
+//! activation tile.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use super::panels::{Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
+use super::{fits, has_avx512, PANEL};
+
+/// Activation rows per tile.
+pub const TILE_ROWS: usize = 16;
+
+/// Bytes of one block's widened quants: 16 pair rows of 64 bytes.
+const B_TILE_BYTES: usize = 1024;
+
+/// Whether the AMX path runs here (detected once; `RIVULET_KERNELS_NO_AMX=1` keeps to the
+/// AVX-512 one, to compare them). Asks Linux for the tile state on first use.
+pub fn has_amx() -> bool {
+    use std::sync::OnceLock;
+    static DETECTED: OnceLock<bool> = OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        if !has_avx512() || std::env::var_os("RIVULET_KERNELS_NO_AMX").is_some() {
+            return false;
+        }
+        #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+        {
+            // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
+            let leaf7 = __cpuid_count(7, 0);
+            let amx = leaf7.edx & (1 << 22) != 0 && leaf7.edx & (1 << 24) != 0;
+            amx && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512bf16")
+                && request_tile_state()
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+        {
+            false
+        }
+    })
+}
+
+/// `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`: without it the first tile
+/// instruction faults. The permission covers every thread of the process.
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn request_tile_state() -> bool {
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    let result: i64;
+    // SAFETY: the `arch_prctl` system call with a request that only widens this process's
+    // permitted xsave state; it reads and writes no memory of ours.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL => result,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    result == 0
+}
+
+/// An activation matrix split for the tiles, tile by tile and block by block: for each tile of
+/// 16 rows (zero rows pad the last) and each block of 32 columns, the `hi` tile then the `lo`
+/// tile (`[16][32]` bf16 bits each, [`A_BLOCK`] values together), and the block sums of the 16
+/// rows (`[tile][block][16]`, what 4-bit panels meet their offsets with).
+#[derive(Debug, Default)]
+pub struct SplitActivations {
+    tiles_data: Vec<u16>,
+    sums: Vec<f32>,
+    blocks: usize,
+    rows: usize,
+    tiles: usize,
+}
+
+/// Values of one block's `hi` and `lo` tiles.
+const A_BLOCK: usize = 2 * TILE_ROWS * 32;
+
+/// The nearest bf16 to `x` (ties to even), as bits. Activations are finite; a NaN stays a NaN
+/// or becomes an infinity, either way not a number a logit survives.
+fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) as u16
+}
+
+impl SplitActivations {
+    /// Splits `batch` rows of `cols` values (whole blocks; row `b` of `x` at `b * x_stride`).
+    pub fn new(x: &[f32], x_stride: usize, batch: usize, cols: usize) -> Self {
+        let blocks = cols / 32;
+        let tiles = batch.div_ceil(TILE_ROWS);
+        let mut tiles_data = vec![0u16; tiles * blocks * A_BLOCK];
+        let mut sums = vec![0f32; tiles * blocks * TILE_ROWS];
+        let row_sums = super::block_sums(x, x_stride, batch, cols);
+        for b in 0..batch {
+            let (tile, m) = (b / TILE_ROWS, b % TILE_ROWS);
+            for block in 0..blocks {
+                let values = &x[b * x_stride + block * 32..][..32];
+                let at = (tile * blocks + block) * A_BLOCK + m * 32;
+                let (hi, lo) = tiles_data[at..at + TILE_ROWS * 32 + 32].split_at_mut(TILE_ROWS * 32);
+                for ((&v, h), l) in values.iter().zip(&mut hi[..32]).zip(&mut lo[..32]) {
+                    *h = bf16_bits(v);
+                    *l = bf16_bits(v - f32::from_bits(u32::from(*h) << 16));
+                }
+                sums[(tile * blocks + block) * TILE_ROWS + m] = row_sums[b * blocks + block];
+            }
+        }
+        Self {
+            tiles_data,
+            sums,
+            blocks,
+            rows: batch,
+            tiles,
+        }
+    }
+}
+
+/// A 64-byte-aligned line: tile loads and stores are fastest aligned.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// Per-thread buffers of the AMX path.
+#[derive(Default)]
+struct Scratch {
+    /// The panel's widened quants, one [`B_TILE_BYTES`] tile per block.
+    b_tiles: Vec<Line>,
+    /// Two tiles' worth of f32 results (`[2][16][16]`).
+    results: Vec<Line>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+/// The tile configuration every kernel here runs under: palette 1, all eight tiles 16 rows of
+/// 64 bytes.
+#[repr(C, align(64))]
+struct Config {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    bytes_per_row: [u16; 16],
+    rows: [u8; 16],
+}
+
+/// The tiles, configured on the calling thread for the length of one call.
+pub struct Tiles;
+
+impl Tiles {
+    /// Runs `work` with the tiles configured on this thread, and releases them after (so that
+    /// a context switch need not save them).
+    pub fn with<R>(work: impl FnOnce() -> R) -> R {
+        assert!(has_amx());
+        let mut config = Config {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            bytes_per_row: [0; 16],
+            rows: [0; 16],
+        };
+        // Palette 1 has eight tiles; the entries past them must stay zero.
+        config.bytes_per_row[..8].fill(64);
+        config.rows[..8].fill(16);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AMX present and permitted (asserted); `config` is a valid palette-1
+        // configuration (8 tiles of 16 rows × 64 bytes, reserved bytes zero), 64 bytes long.
+        unsafe {
+            std::arch::asm!("ldtilecfg [{}]", in(reg) &config, options(nostack, readonly));
+        }
+        let result = work();
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: returns the tiles to their initial state; no tile is live past this point.
+        unsafe {
+            std::arch::asm!("tilerelease", options(nostack, nomem));
+        }
+        result
+    }
+}
+
+impl Panels {
+    /// `out[b][r] = Σ_k x[b][k] · w[panel · PANEL + r][k]` for every row `b` of `acts` and
+    /// `r < PANEL`. Must run inside [`Tiles::with`].
+    pub fn product_amx(&self, panel: usize, acts: &SplitActivations, out: &mut [f32]) {
+        assert!(has_amx());
+        let blocks = self.blocks_per_row();
+        assert_eq!(acts.blocks, blocks);
+        assert!(fits(out.len(), acts.rows.checked_mul(PANEL)));
+        let source = self.blocks(panel, 0..blocks);
+        SCRATCH.with_borrow_mut(|scratch| {
+            scratch.b_tiles.resize(blocks * B_TILE_BYTES / 64, Line([0; 64]));
+            scratch.results.resize(2 * TILE_ROWS * PANEL * 4 / 64, Line([0; 64]));
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-512BW present (`has_amx`); `source` holds `blocks` blocks of this
+            // kind and `b_tiles` `blocks` widened tiles (sized above).
+            unsafe {
+                let tiles = scratch.b_tiles.as_mut_ptr().cast::<u8>();
+                match self.kind() {
+                    Kind::Q4 => widen_q4(source.as_ptr(), blocks, tiles),
+                    Kind::Q8 => widen_q8(source.as_ptr(), blocks, tiles),
+                }
+            }
+            for tile in 0..acts.tiles {
+                let first = tile * TILE_ROWS;
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: inside `Tiles::with` (caller); `acts` holds `blocks` split blocks and
+                // block sums for each of its tiles (its constructor), `b_tiles` `blocks` tiles,
+                // `results` two result tiles and `out` the valid rows' `PANEL` results (asserted).
+                unsafe {
+                    tile_product(
+                        self.kind(),
+                        source.as_ptr(),
+                        blocks,
+                        acts.tiles_data.as_ptr().add(tile * blocks * A_BLOCK),
+                        scratch.b_tiles.as_ptr().cast(),
+                        scratch.results.as_mut_ptr().cast(),
+                        acts.sums.as_ptr().add(tile * blocks * TILE_ROWS),
+                        TILE_ROWS.min(acts.rows - first),
+                        out.as_mut_ptr().add(first * PANEL),
+                    );
+                }
+            }
+        });
+    }
+}
+
+/// `index & 31 → bf16(index & 15)`: a widened nibble's bf16, whatever the bit above it holds.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn nibble_table() -> __m512i {
+    let mut table = [0u16; 32];
+    for (i, t) in table.iter_mut().enumerate() {
+        *t = bf16_bits((i & 15) as f32);
+    }
+    // SAFETY: 64 bytes read from a 64-byte array.
+    unsafe { _mm512_loadu_si512(table.as_ptr().cast()) }
+}
+
+/// Widens `blocks` Q4 panel blocks' nibbles into pair-layout bf16 tiles.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn widen_q4(source: *const u8, blocks: usize, tiles: *mut u8) {
+    // SAFETY (whole body): `source` holds `blocks` Q4 blocks and `tiles` `blocks` tiles (caller).
+    unsafe {
+        let table = nibble_table();
+        for block in 0..blocks {
+            let nibbles = source.add(block * Q4_BLOCK + 2 * SCALES);
+            let tile = tiles.add(block * B_TILE_BYTES);
+            for p in 0..8 {
+                // Columns 2p and 2p + 1 (low nibbles), 2p + 16 and 2p + 17 (high), of rows 0..16.
+                let a = _mm_loadu_si128(nibbles.add(PANEL * 2 * p).cast());
+                let b = _mm_loadu_si128(nibbles.add(PANEL * (2 * p + 1)).cast());
+                let pairs = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+                let words = _mm512_cvtepu8_epi16(pairs);
+                _mm512_store_si512(tile.add(64 * p).cast(), _mm512_permutexvar_epi16(words, table));
+                let high = _mm512_srli_epi16::<4>(words);
+                _mm512_store_si512(tile.add(64 * (p + 8)).cast(), _mm512_permutexvar_epi16(high, table));
+            }
+        }
+    }
+}
+
+/// Widens `blocks` Q8_0 panel blocks' quants into pair-layout bf16 tiles.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn widen_q8(source: *const u8, blocks: usize, tiles: *mut u8) {
+    // SAFETY (whole body): `source` holds `blocks` Q8 blocks and `tiles` `blocks` tiles (caller).
+    unsafe {
+        for block in 0..blocks {
+            let values = source.add(block * Q8_BLOCK + SCALES);
+            let tile = tiles.add(block * B_TILE_BYTES);
+            for p in 0..16 {
+                let a = _mm_loadu_si128(values.add(PANEL * 2 * p).cast());
+                let b = _mm_loadu_si128(values.add(PANEL * (2 * p + 1)).cast());
+                let rows_low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a, b)));
+                let rows_high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(a, b)));
+                // Exact: an integer of magnitude ≤ 128 has at most 8 significant bits.
+                let widened = _mm512_cvtne2ps_pbh(rows_high, rows_low);
+                _mm512_store_si512(
+                    tile.add(64 * p).cast(),
+                    std::mem::transmute::<__m512bh, __m512i>(widened),
+                );
+            }
+        }
+    }
+}
+
+/// Runs block `block`'s products for one activation tile on tile-register set `SET` (0:
+/// `tmm0..tmm3`, 1: `tmm4..tmm7`): `results = hi·q + lo·q`, `[16][16]` f32. Two sets in turn
+/// let one block's products run while the vector unit scales the block before.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn block_products<const SET: usize>(a: *const u16, b: *const u8, results: *mut f32) {
+    // SAFETY: inside `Tiles::with` (caller); `a` holds a block's `hi` then `lo` tile (1 KiB
+    // each, rows 64 bytes apart), `b` its widened quants and `results` 1 KiB.
+    unsafe {
+        macro_rules! products {
+            ($c:literal, $hi:literal, $lo:literal, $q:literal) => {
+                std::arch::asm!(
+                    concat!("tilezero ", $c),
+                    concat!("tileloadd ", $q, ", [{b} + {s64}*1]"),
+                    concat!("tileloadd ", $hi, ", [{a} + {s64}*1]"),
+                    concat!("tileloadd ", $lo, ", [{a} + {s64}*1 + 1024]"),
+                    concat!("tdpbf16ps ", $c, ", ", $hi, ", ", $q),
+                    concat!("tdpbf16ps ", $c, ", ", $lo, ", ", $q),
+                    concat!("tilestored [{r} + {s64}*1], ", $c),
+                    a = in(reg) a,
+                    b = in(reg) b,
+                    r = in(reg) results,
+                    s64 = in(reg) 64usize,
+                    options(nostack),
+                )
+            };
+        }
+        if SET == 0 {
+            products!("tmm0", "tmm1", "tmm2", "tmm3");
+        } else {
+            products!("tmm4", "tmm5", "tmm6", "tmm7");
+        }
+    }
+}
+
+/// `acc[m] += d·results[m] (+ offset·sums[m])`: one block's products scaled into the totals.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,f16c")]
+#[inline]
+unsafe fn scale_block(
+    acc: &mut [__m512; TILE_ROWS],
+    scales: *const u8,
+    q4: bool,
+    results: *const f32,
+    sums: *const f32,
+) {
+    // SAFETY: `scales` holds the block's `d` (and, 4-bit, offset) of 16 rows, `results` a
+    // `[16][16]` f32 tile and `sums` (4-bit) 16 block sums.
+    unsafe {
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(scales.cast()));
+        for (m, total) in acc.iter_mut().enumerate() {
+            *total = _mm512_fmadd_ps(d, _mm512_load_ps(results.add(m * PANEL)), *total);
+        }
+        if q4 {
+            let offset = _mm512_cvtph_ps(_mm256_loadu_si256(scales.add(SCALES).cast()));
+            for (m, total) in acc.iter_mut().enumerate() {
+                *total = _mm512_fmadd_ps(offset, _mm512_set1_ps(*sums.add(m)), *total);
+            }
+        }
+    }
+}
+
+/// One tile of activation rows (`rows` of them valid) times one panel: per block, `hi·q + lo·q`
+/// on the tiles, then `d` and the offset applied in f32, block `b`'s scaling overlapping block
+/// `b + 1`'s products.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_product(
+    kind: Kind,
+    source: *const u8,
+    blocks: usize,
+    a: *const u16,
+    b_tiles: *const u8,
+    results: *mut f32,
+    sums: *const f32,
+    rows: usize,
+    out: *mut f32,
+) {
+    // SAFETY (whole body): see the caller; `a` holds `blocks` pairs of `hi`/`lo` tiles,
+    // `results` two 16×16 f32 tiles, `sums` `16 · blocks` (4-bit only) and `out` `rows · 16`.
+    unsafe {
+        let (block_bytes, q4) = match kind {
+            Kind::Q4 => (Q4_BLOCK, true),
+            Kind::Q8 => (Q8_BLOCK, false),
+        };
+        let products = |block: usize| {
+            let (a, b) = (a.add(block * A_BLOCK), b_tiles.add(block * B_TILE_BYTES));
+            let result = results.add((block & 1) * TILE_ROWS * PANEL);
+            if block & 1 == 0 {
+                block_products::<0>(a, b, result);
+            } else {
+                block_products::<1>(a, b, result);
+            }
+        };
+        let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+        products(0);
+        for block in 0..blocks {
+            if block + 1 < blocks {
+                products(block + 1);
+            }
+            scale_block(
+                &mut acc,
+                source.add(block * block_bytes),
+                q4,
+                results.add((block & 1) * TILE_ROWS * PANEL),
+                sums.wrapping_add(block * TILE_ROWS),
+            );
+        }
+        for (m, total) in acc.iter().enumerate() {
+            if m < rows {
+                _mm512_storeu_ps(out.add(m * PANEL), *total);
+            }
+        }
+    }
+}
