@@ -143,6 +143,21 @@ fn larger_batches_and_many_tasks() {
     check(&mut rng, GgmlType::Q8_0, 130, 64, 17);
 }
 
+/// The tile path (AMX, where the CPU has it; 16+ rows): whole and partial tiles of activation
+/// rows, an odd number of blocks per row, and a last partial panel of weight rows. On a CPU
+/// without AMX the same products run on the other paths.
+#[test]
+fn tile_sized_batches_match() {
+    let mut rng = StdRng::seed_from_u64(19);
+    for format in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for batch in [16, 17, 32, 45] {
+            for (rows, cols) in [(16, 32), (37, 544), (20, 1056)] {
+                check(&mut rng, format, rows, cols, batch);
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_shapes_are_errors_not_panics() {
     let mut rng = StdRng::seed_from_u64(17);

@@ -13,13 +13,15 @@
 //! - the weights enter as their integer quants `q` (0..15, or -128..127 for Q8_0), exact in
 //!   bf16, and each block's `d` and offset are applied afterwards in f32, as in
 //!   [`super::panel_gemv`]: `Σ (d·q + offset)·x = d·Σ q·x + offset·Σ x`;
-//! - each activation is split into two bf16, `x = hi + lo + ε` with `hi` the nearest bf16 and
-//!   `lo` the nearest to `x - hi`, so `|ε| ≤ 2⁻¹⁸·|x|`; products of bf16 are exact in f32 and
-//!   the tile sums them in f32. The result is an f32 product to within a few ulps of the terms'
-//!   magnitude, like the FMA paths (the kernel tests hold it to the same tolerance).
+//! - each activation is split into three bf16, `x = hi + mid + lo + ε`, each the nearest bf16 to
+//!   what the ones before left, so `|ε| ≤ 2⁻²⁴·|x|`: the 24 significant bits of f32 (two
+//!   parts keep 16, which moved a one-block product by up to 6e-5 of its value). Products of
+//!   bf16 are exact in f32 and the tile sums them in f32, so the result is an f32 product to
+//!   within a few ulps of the terms' magnitude, like the FMA paths (the kernel tests hold it to
+//!   the same tolerance).
 //!
-//! Layout: an activation matrix is split once per product into `hi` and `lo` rows of bf16
-//! ([`SplitActivations`], padded to whole tiles with zero rows); each panel block's quants are
+//! Layout: an activation matrix is split once per product into `hi`, `mid` and `lo` tiles of
+//! bf16 ([`SplitActivations`], padded to whole tiles with zero rows); each panel block's quants are
 //! widened in registers into a 1 KiB tile in AMX's pair layout (row `p` holds, for each of the 16
 //! weight rows `n`, the quants of columns `2p` and `2p + 1`), once per panel for every
 //! activation tile.
@@ -86,8 +88,8 @@ fn request_tile_state() -> bool {
 }
 
 /// An activation matrix split for the tiles, tile by tile and block by block: for each tile of
-/// 16 rows (zero rows pad the last) and each block of 32 columns, the `hi` tile then the `lo`
-/// tile (`[16][32]` bf16 bits each, [`A_BLOCK`] values together), and the block sums of the 16
+/// 16 rows (zero rows pad the last) and each block of 32 columns, the `hi`, `mid` and `lo`
+/// tiles (`[16][32]` bf16 bits each, [`A_BLOCK`] values together), and the block sums of the 16
 /// rows (`[tile][block][16]`, what 4-bit panels meet their offsets with).
 #[derive(Debug, Default)]
 pub struct SplitActivations {
@@ -98,8 +100,8 @@ pub struct SplitActivations {
     tiles: usize,
 }
 
-/// Values of one block's `hi` and `lo` tiles.
-const A_BLOCK: usize = 2 * TILE_ROWS * 32;
+/// Values of one block's `hi`, `mid` and `lo` tiles.
+const A_BLOCK: usize = 3 * TILE_ROWS * 32;
 
 /// The nearest bf16 to `x` (ties to even), as bits. Activations are finite; a NaN stays a NaN
 /// or becomes an infinity, either way not a number a logit survives.
@@ -121,10 +123,15 @@ impl SplitActivations {
             for block in 0..blocks {
                 let values = &x[b * x_stride + block * 32..][..32];
                 let at = (tile * blocks + block) * A_BLOCK + m * 32;
-                let (hi, lo) = tiles_data[at..at + TILE_ROWS * 32 + 32].split_at_mut(TILE_ROWS * 32);
-                for ((&v, h), l) in values.iter().zip(&mut hi[..32]).zip(&mut lo[..32]) {
-                    *h = bf16_bits(v);
-                    *l = bf16_bits(v - f32::from_bits(u32::from(*h) << 16));
+                let tile_block = &mut tiles_data[at..at + 2 * TILE_ROWS * 32 + 32];
+                let (hi, rest) = tile_block.split_at_mut(TILE_ROWS * 32);
+                let (mid, lo) = rest.split_at_mut(TILE_ROWS * 32);
+                for (((&v, hi), mid), lo) in values.iter().zip(&mut hi[..32]).zip(&mut mid[..32]).zip(&mut lo[..32]) {
+                    let widen = |bits: u16| f32::from_bits(u32::from(bits) << 16);
+                    *hi = bf16_bits(v);
+                    let rest = v - widen(*hi);
+                    *mid = bf16_bits(rest);
+                    *lo = bf16_bits(rest - widen(*mid));
                 }
                 sums[(tile * blocks + block) * TILE_ROWS + m] = row_sums[b * blocks + block];
             }
@@ -310,23 +317,26 @@ unsafe fn widen_q8(source: *const u8, blocks: usize, tiles: *mut u8) {
 }
 
 /// Runs block `block`'s products for one activation tile on tile-register set `SET` (0:
-/// `tmm0..tmm3`, 1: `tmm4..tmm7`): `results = hi·q + lo·q`, `[16][16]` f32. Two sets in turn
+/// `tmm0..tmm3`, 1: `tmm4..tmm7`): `results = hi·q + mid·q + lo·q`, `[16][16]` f32 (`lo`
+/// reloads the tile `hi` used once its product has read it). Two sets in turn
 /// let one block's products run while the vector unit scales the block before.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn block_products<const SET: usize>(a: *const u16, b: *const u8, results: *mut f32) {
-    // SAFETY: inside `Tiles::with` (caller); `a` holds a block's `hi` then `lo` tile (1 KiB
-    // each, rows 64 bytes apart), `b` its widened quants and `results` 1 KiB.
+    // SAFETY: inside `Tiles::with` (caller); `a` holds a block's `hi`, `mid` and `lo` tiles
+    // (1 KiB each, rows 64 bytes apart), `b` its widened quants and `results` 1 KiB.
     unsafe {
         macro_rules! products {
-            ($c:literal, $hi:literal, $lo:literal, $q:literal) => {
+            ($c:literal, $first:literal, $second:literal, $q:literal) => {
                 std::arch::asm!(
                     concat!("tilezero ", $c),
                     concat!("tileloadd ", $q, ", [{b} + {s64}*1]"),
-                    concat!("tileloadd ", $hi, ", [{a} + {s64}*1]"),
-                    concat!("tileloadd ", $lo, ", [{a} + {s64}*1 + 1024]"),
-                    concat!("tdpbf16ps ", $c, ", ", $hi, ", ", $q),
-                    concat!("tdpbf16ps ", $c, ", ", $lo, ", ", $q),
+                    concat!("tileloadd ", $first, ", [{a} + {s64}*1]"),
+                    concat!("tileloadd ", $second, ", [{a} + {s64}*1 + 1024]"),
+                    concat!("tdpbf16ps ", $c, ", ", $first, ", ", $q),
+                    concat!("tdpbf16ps ", $c, ", ", $second, ", ", $q),
+                    concat!("tileloadd ", $first, ", [{a} + {s64}*1 + 2048]"),
+                    concat!("tdpbf16ps ", $c, ", ", $first, ", ", $q),
                     concat!("tilestored [{r} + {s64}*1], ", $c),
                     a = in(reg) a,
                     b = in(reg) b,
@@ -371,8 +381,8 @@ unsafe fn scale_block(
     }
 }
 
-/// One tile of activation rows (`rows` of them valid) times one panel: per block, `hi·q + lo·q`
-/// on the tiles, then `d` and the offset applied in f32, block `b`'s scaling overlapping block
+/// One tile of activation rows (`rows` of them valid) times one panel: per block, the split
+/// activations times `q` on the tiles, then `d` and the offset applied in f32, block `b`'s scaling overlapping block
 /// `b + 1`'s products.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,f16c")]
@@ -388,7 +398,7 @@ unsafe fn tile_product(
     rows: usize,
     out: *mut f32,
 ) {
-    // SAFETY (whole body): see the caller; `a` holds `blocks` pairs of `hi`/`lo` tiles,
+    // SAFETY (whole body): see the caller; `a` holds `blocks` triples of split tiles,
     // `results` two 16×16 f32 tiles, `sums` `16 · blocks` (4-bit only) and `out` `rows · 16`.
     unsafe {
         let (block_bytes, q4) = match kind {
@@ -421,6 +431,43 @@ unsafe fn tile_product(
         for (m, total) in acc.iter().enumerate() {
             if m < rows {
                 _mm512_storeu_ps(out.add(m * PANEL), *total);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `hi + mid + lo` is within 2⁻²⁴ of each activation (relative), zero rows pad the last
+    /// tile, and the block sums sit where the kernel reads them.
+    #[test]
+    fn split_activations_keep_f32_bits() {
+        let (batch, cols) = (19, 64);
+        let x: Vec<f32> = (0..batch * cols).map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.1).collect();
+        let split = SplitActivations::new(&x, cols, batch, cols);
+        assert_eq!((split.tiles, split.blocks), (2, 2));
+        let widen = |bits: u16| f64::from(f32::from_bits(u32::from(bits) << 16));
+        for tile in 0..2 {
+            for block in 0..2 {
+                let at = (tile * 2 + block) * A_BLOCK;
+                for m in 0..TILE_ROWS {
+                    let b = tile * TILE_ROWS + m;
+                    for c in 0..32 {
+                        let parts = [0, 1, 2].map(|part| split.tiles_data[at + part * TILE_ROWS * 32 + m * 32 + c]);
+                        if b >= batch {
+                            assert_eq!(parts, [0; 3]);
+                            continue;
+                        }
+                        let v = f64::from(x[b * cols + block * 32 + c]);
+                        let error = (parts.iter().map(|&p| widen(p)).sum::<f64>() - v).abs();
+                        assert!(error <= v.abs() * 2f64.powi(-24), "{v}: {parts:x?}");
+                    }
+                    let sum = split.sums[(tile * 2 + block) * TILE_ROWS + m];
+                    let expected: f32 = if b < batch { x[b * cols + block * 32..][..32].iter().sum() } else { 0.0 };
+                    assert!((sum - expected).abs() <= 1e-4, "{sum} {expected}");
+                }
             }
         }
     }
