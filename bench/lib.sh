@@ -69,13 +69,22 @@ require_vllm() {
 }
 
 # start_llama_server PORT SLOTS CONTEXT_PER_SLOT LOG: llama.cpp's server with SLOTS parallel slots.
+# LLAMA_SERVER_ARGS adds arguments. On a CPU with AMX the pinned llama.cpp's AMX matmul
+# (`ggml_backend_amx_mul_mat`, chosen through weight repacking) segfaults in the warm-up of the
+# default model (seen 2026-11-25 on a Xeon with AMX-INT8/BF16), so there it runs with
+# `--no-repack` (its AVX-512 VNNI kernels) unless LLAMA_SERVER_ARGS is set.
 start_llama_server() {
     local port=$1 slots=$2 per_slot=$3 log=$4
     local binary="$ROOT/bench/peer/.build/llama-server"
     require_llama_server
+    local extra=${LLAMA_SERVER_ARGS-}
+    if [[ -z ${LLAMA_SERVER_ARGS+set} ]] && grep -qw amx_int8 /proc/cpuinfo; then
+        extra="--no-repack"
+    fi
+    # shellcheck disable=SC2086  # LLAMA_SERVER_ARGS is a list of words
     "$binary" -m "$MODEL" --host 127.0.0.1 --port "$port" \
         --parallel "$slots" --ctx-size $((slots * per_slot)) \
-        --threads "$(nproc)" --threads-batch "$(nproc)" --no-webui >"$log" 2>&1 &
+        --threads "$(nproc)" --threads-batch "$(nproc)" --no-webui $extra >"$log" 2>&1 &
     SERVER_PIDS+=($!)
     for _ in $(seq 1 600); do
         if curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1; then
