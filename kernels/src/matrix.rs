@@ -249,11 +249,6 @@ impl WeightMatrix {
         let units = self.rows.div_ceil(unit);
         // Several tasks per thread so that a slow core does not hold the step up.
         let per_task = units.div_ceil(rayon::current_num_threads() * 4).max(1);
-        // AMX passes take panels in pairs: tasks of whole pairs.
-        let per_task = match path {
-            Path::PanelAmx => per_task.next_multiple_of(simd::PANELS_PER_PASS),
-            _ => per_task,
-        };
         let output = SharedOutput::new(out, batch, out_width);
         let q4_1_activations = match path {
             Path::GemvQ4_1 => simd::Q4_1Activations::new(x, self.cols, batch, self.cols),
@@ -319,20 +314,14 @@ impl WeightMatrix {
                     }
                 }),
                 Path::PanelAmx => SCRATCH.with_borrow_mut(|scratch| {
-                    let pass_rows = simd::PANELS_PER_PASS * simd::PANEL;
-                    scratch.sums.resize(simd::PANELS_PER_PASS * batch * simd::PANEL, 0.0);
+                    scratch.sums.resize(batch * simd::PANEL, 0.0);
                     // `PanelAmx` is chosen only where panels exist and the CPU has AMX.
                     if let Some(panels) = &self.panels {
                         simd::Tiles::with(|| {
-                            for pass in (first..last).step_by(pass_rows) {
-                                let count = (last - pass).div_ceil(simd::PANEL).min(simd::PANELS_PER_PASS);
-                                panels.product_amx(pass / simd::PANEL, count, &split, &mut scratch.sums);
-                                for p in 0..count {
-                                    let panel = pass + p * simd::PANEL;
-                                    let rows = simd::PANEL.min(last - panel);
-                                    let values = &scratch.sums[p * batch * simd::PANEL..];
-                                    output.store_rows(first_column + panel, rows, values, simd::PANEL);
-                                }
+                            for panel in (first..last).step_by(simd::PANEL) {
+                                let rows = simd::PANEL.min(last - panel);
+                                panels.product_amx(panel / simd::PANEL, &split, &mut scratch.sums);
+                                output.store_rows(first_column + panel, rows, &scratch.sums, simd::PANEL);
                             }
                         });
                     }

@@ -28,7 +28,7 @@ mod gemv_q4_1;
 mod grouped_heads;
 mod panel_gemv;
 mod panels;
-pub use amx::{has_amx, SplitActivations, Tiles, PANELS_PER_PASS};
+pub use amx::{has_amx, SplitActivations, Tiles};
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
 pub use grouped_heads::{group_dots, weighted_rows};
 pub use panel_gemv::block_sums;

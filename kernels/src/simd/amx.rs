@@ -109,8 +109,8 @@ impl Drop for SplitActivations {
     }
 }
 
-/// One row of an activation tile: 32 bf16, on a cache line of its own (a tile row that
-/// straddles two lines loads at half speed or worse).
+/// One row of an activation tile: 32 bf16 on a cache line of its own (a tile row that
+/// straddled two lines would cost two line reads).
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(64))]
 struct ActivationRow([u16; 32]);
@@ -235,73 +235,46 @@ impl Tiles {
     }
 }
 
-/// Panels one pass multiplies: each activation tile loaded into the tiles serves both (the
-/// activations, three tiles a block, are what a pass streams most).
-pub const PANELS_PER_PASS: usize = 2;
-
 impl Panels {
-    /// `out[p][b][r] = Σ_k x[b][k] · w[(first + p) · PANEL + r][k]` for each of `count` panels
-    /// (`1..=PANELS_PER_PASS`), every row `b` of `acts` and `r < PANEL`. Must run inside
-    /// [`Tiles::with`].
-    pub fn product_amx(&self, first: usize, count: usize, acts: &SplitActivations, out: &mut [f32]) {
+    /// `out[b][r] = Σ_k x[b][k] · w[panel · PANEL + r][k]` for every row `b` of `acts` and
+    /// `r < PANEL`. Must run inside [`Tiles::with`].
+    pub fn product_amx(&self, panel: usize, acts: &SplitActivations, out: &mut [f32]) {
         assert!(has_amx());
-        assert!((1..=PANELS_PER_PASS).contains(&count));
         let blocks = self.blocks_per_row();
         assert_eq!(acts.blocks, blocks);
-        let out_panel = acts.rows.checked_mul(PANEL);
-        assert!(fits(out.len(), out_panel.and_then(|n| n.checked_mul(count))));
-        let out_panel = acts.rows * PANEL;
-        let sources: Vec<&[u8]> = (first..first + count)
-            .map(|panel| self.blocks(panel, 0..blocks))
-            .collect();
+        assert!(fits(out.len(), acts.rows.checked_mul(PANEL)));
+        let source = self.blocks(panel, 0..blocks);
         SCRATCH.with_borrow_mut(|scratch| {
-            let panel_tiles = blocks * B_TILE_BYTES;
-            scratch.b_tiles.resize(count * panel_tiles / 64, Line([0; 64]));
-            scratch
-                .results
-                .resize(2 * count * TILE_ROWS * PANEL * 4 / 64, Line([0; 64]));
-            let tiles = scratch.b_tiles.as_mut_ptr().cast::<u8>();
-            for (p, source) in sources.iter().enumerate() {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: AVX-512BW present (`has_amx`); `source` holds `blocks` blocks of this
-                // kind and `b_tiles` `count · blocks` widened tiles (sized above).
-                unsafe {
-                    match self.kind() {
-                        Kind::Q4 => widen_q4(source.as_ptr(), blocks, tiles.add(p * panel_tiles)),
-                        Kind::Q8 => widen_q8(source.as_ptr(), blocks, tiles.add(p * panel_tiles)),
-                    }
+            scratch.b_tiles.resize(blocks * B_TILE_BYTES / 64, Line([0; 64]));
+            scratch.results.resize(2 * TILE_ROWS * PANEL * 4 / 64, Line([0; 64]));
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-512BW present (`has_amx`); `source` holds `blocks` blocks of this
+            // kind and `b_tiles` `blocks` widened tiles (sized above).
+            unsafe {
+                let tiles = scratch.b_tiles.as_mut_ptr().cast::<u8>();
+                match self.kind() {
+                    Kind::Q4 => widen_q4(source.as_ptr(), blocks, tiles),
+                    Kind::Q8 => widen_q8(source.as_ptr(), blocks, tiles),
                 }
             }
-            let pass = Pass {
-                q4: self.kind() == Kind::Q4,
-                block_bytes: self.block_bytes(),
-                blocks,
-                b_tiles: scratch.b_tiles.as_ptr().cast(),
-                results: scratch.results.as_mut_ptr().cast(),
-            };
             for tile in 0..acts.tiles {
-                let first_row = tile * TILE_ROWS;
-                let rows = TILE_ROWS.min(acts.rows - first_row);
-                let a = acts.tiles_data[tile * blocks * A_BLOCK / 32..].as_ptr().cast::<u16>();
-                let sums = acts.sums[tile * blocks * TILE_ROWS..].as_ptr();
-                let out = out.as_mut_ptr().wrapping_add(first_row * PANEL);
+                let first = tile * TILE_ROWS;
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: inside `Tiles::with` (caller); `acts` holds `blocks` split blocks and
-                // block sums for each of its tiles (its constructor), `b_tiles` `count · blocks`
-                // tiles and `results` `2 · count` result tiles (sized above), each source
-                // `blocks` blocks and `out` each panel's `rows · PANEL` results of this tile,
-                // `out_panel` apart (asserted).
+                // block sums for each of its tiles (its constructor), `b_tiles` `blocks` tiles,
+                // `results` two result tiles and `out` the valid rows' `PANEL` results (asserted).
                 unsafe {
-                    match count {
-                        1 => pass.tile_product::<1>([sources[0].as_ptr()], a, sums, rows, [out]),
-                        _ => pass.tile_product::<2>(
-                            [sources[0].as_ptr(), sources[1].as_ptr()],
-                            a,
-                            sums,
-                            rows,
-                            [out, out.add(out_panel)],
-                        ),
-                    }
+                    tile_product(
+                        self.kind(),
+                        source.as_ptr(),
+                        blocks,
+                        acts.tiles_data[tile * blocks * A_BLOCK / 32..].as_ptr().cast(),
+                        scratch.b_tiles.as_ptr().cast(),
+                        scratch.results.as_mut_ptr().cast(),
+                        acts.sums.as_ptr().add(tile * blocks * TILE_ROWS),
+                        TILE_ROWS.min(acts.rows - first),
+                        out.as_mut_ptr().add(first * PANEL),
+                    );
                 }
             }
         });
@@ -369,22 +342,17 @@ unsafe fn widen_q8(source: *const u8, blocks: usize, tiles: *mut u8) {
     }
 }
 
-/// Runs one block's products for one activation tile and `P` panels on tile set `SET`:
-/// `results[p] = hi·q[p] + mid·q[p] + lo·q[p]`, `[16][16]` f32 each (`lo` reloads the tile `hi`
-/// used once its products have read it). Two sets of result tiles in turn let one block's
-/// products run while the vector unit scales the block before.
-/// - `P = 1`: set 0 is `tmm0` (result), `tmm1`/`tmm2` (activations), `tmm3` (quants); set 1 is
-///   `tmm4..tmm7` likewise.
-/// - `P = 2`: set 0's results are `tmm0`/`tmm1`, set 1's `tmm6`/`tmm7`; both use `tmm2`/`tmm3`
-///   for activations and `tmm4`/`tmm5` for the two panels' quants.
+/// Runs block `block`'s products for one activation tile on tile-register set `SET` (0:
+/// `tmm0..tmm3`, 1: `tmm4..tmm7`): `results = hi·q + mid·q + lo·q`, `[16][16]` f32 (`lo`
+/// reloads the tile `hi` used once its product has read it). Two sets in turn
+/// let one block's products run while the vector unit scales the block before.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn block_products<const SET: usize, const P: usize>(a: *const u16, b: [*const u8; P], results: [*mut f32; P]) {
+unsafe fn block_products<const SET: usize>(a: *const u16, b: *const u8, results: *mut f32) {
     // SAFETY: inside `Tiles::with` (caller); `a` holds a block's `hi`, `mid` and `lo` tiles
-    // (1 KiB each, rows 64 bytes apart), each `b` a panel's widened quants for the block and each
-    // `results` 1 KiB.
+    // (1 KiB each, rows 64 bytes apart), `b` its widened quants and `results` 1 KiB.
     unsafe {
-        macro_rules! one_panel {
+        macro_rules! products {
             ($c:literal, $first:literal, $second:literal, $q:literal) => {
                 std::arch::asm!(
                     concat!("tilezero ", $c),
@@ -397,46 +365,17 @@ unsafe fn block_products<const SET: usize, const P: usize>(a: *const u16, b: [*c
                     concat!("tdpbf16ps ", $c, ", ", $first, ", ", $q),
                     concat!("tilestored [{r} + {s64}*1], ", $c),
                     a = in(reg) a,
-                    b = in(reg) b[0],
-                    r = in(reg) results[0],
+                    b = in(reg) b,
+                    r = in(reg) results,
                     s64 = in(reg) 64usize,
                     options(nostack),
                 )
             };
         }
-        macro_rules! two_panels {
-            ($c0:literal, $c1:literal) => {
-                std::arch::asm!(
-                    concat!("tilezero ", $c0),
-                    concat!("tilezero ", $c1),
-                    "tileloadd tmm4, [{b0} + {s64}*1]",
-                    "tileloadd tmm5, [{b1} + {s64}*1]",
-                    "tileloadd tmm2, [{a} + {s64}*1]",
-                    "tileloadd tmm3, [{a} + {s64}*1 + 1024]",
-                    concat!("tdpbf16ps ", $c0, ", tmm2, tmm4"),
-                    concat!("tdpbf16ps ", $c1, ", tmm2, tmm5"),
-                    concat!("tdpbf16ps ", $c0, ", tmm3, tmm4"),
-                    concat!("tdpbf16ps ", $c1, ", tmm3, tmm5"),
-                    "tileloadd tmm2, [{a} + {s64}*1 + 2048]",
-                    concat!("tdpbf16ps ", $c0, ", tmm2, tmm4"),
-                    concat!("tdpbf16ps ", $c1, ", tmm2, tmm5"),
-                    concat!("tilestored [{r0} + {s64}*1], ", $c0),
-                    concat!("tilestored [{r1} + {s64}*1], ", $c1),
-                    a = in(reg) a,
-                    b0 = in(reg) b[0],
-                    b1 = in(reg) b[P - 1],
-                    r0 = in(reg) results[0],
-                    r1 = in(reg) results[P - 1],
-                    s64 = in(reg) 64usize,
-                    options(nostack),
-                )
-            };
-        }
-        match (P, SET) {
-            (1, 0) => one_panel!("tmm0", "tmm1", "tmm2", "tmm3"),
-            (1, _) => one_panel!("tmm4", "tmm5", "tmm6", "tmm7"),
-            (_, 0) => two_panels!("tmm0", "tmm1"),
-            _ => two_panels!("tmm6", "tmm7"),
+        if SET == 0 {
+            products!("tmm0", "tmm1", "tmm2", "tmm3");
+        } else {
+            products!("tmm4", "tmm5", "tmm6", "tmm7");
         }
     }
 }
@@ -456,80 +395,68 @@ unsafe fn scale_block(
     // `[16][16]` f32 tile and `sums` (4-bit) 16 block sums.
     unsafe {
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(scales.cast()));
+        for (m, total) in acc.iter_mut().enumerate() {
+            *total = _mm512_fmadd_ps(d, _mm512_load_ps(results.add(m * PANEL)), *total);
+        }
         if q4 {
             let offset = _mm512_cvtph_ps(_mm256_loadu_si256(scales.add(SCALES).cast()));
             for (m, total) in acc.iter_mut().enumerate() {
-                let with_offset = _mm512_fmadd_ps(offset, _mm512_set1_ps(*sums.add(m)), *total);
-                *total = _mm512_fmadd_ps(d, _mm512_load_ps(results.add(m * PANEL)), with_offset);
-            }
-        } else {
-            for (m, total) in acc.iter_mut().enumerate() {
-                *total = _mm512_fmadd_ps(d, _mm512_load_ps(results.add(m * PANEL)), *total);
+                *total = _mm512_fmadd_ps(offset, _mm512_set1_ps(*sums.add(m)), *total);
             }
         }
     }
 }
 
-/// What one pass over a panel pair shares across its activation tiles.
-struct Pass {
-    q4: bool,
-    block_bytes: usize,
+/// One tile of activation rows (`rows` of them valid) times one panel: per block, the split
+/// activations times `q` on the tiles, then `d` and the offset applied in f32, block `b`'s scaling overlapping block
+/// `b + 1`'s products.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_product(
+    kind: Kind,
+    source: *const u8,
     blocks: usize,
-    /// `[P][blocks]` widened quant tiles.
+    a: *const u16,
     b_tiles: *const u8,
-    /// `[2 sets][P]` result tiles.
     results: *mut f32,
-}
-
-impl Pass {
-    /// One tile of activation rows (`rows` of them valid) times `P` panels: per block, the split
-    /// activations times each panel's quants on the tiles, then `d` and the offset applied in
-    /// f32, block `b`'s scaling overlapping block `b + 1`'s products.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx512bw,f16c")]
-    unsafe fn tile_product<const P: usize>(
-        &self,
-        sources: [*const u8; P],
-        a: *const u16,
-        sums: *const f32,
-        rows: usize,
-        out: [*mut f32; P],
-    ) {
-        // SAFETY (whole body): see the caller; `a` holds `blocks` triples of split tiles, each
-        // source `blocks` panel blocks, `sums` `16 · blocks` (read by 4-bit panels) and each
-        // `out` `rows · 16` values.
-        unsafe {
-            let tile_floats = TILE_ROWS * PANEL;
-            let products = |block: usize| {
-                let a = a.add(block * A_BLOCK);
-                let b = std::array::from_fn(|p| self.b_tiles.add((p * self.blocks + block) * B_TILE_BYTES));
-                let results = std::array::from_fn(|p| self.results.add(((block & 1) * P + p) * tile_floats));
-                if block & 1 == 0 {
-                    block_products::<0, P>(a, b, results);
-                } else {
-                    block_products::<1, P>(a, b, results);
-                }
-            };
-            let mut acc = [[_mm512_setzero_ps(); TILE_ROWS]; P];
-            products(0);
-            for block in 0..self.blocks {
-                if block + 1 < self.blocks {
-                    products(block + 1);
-                }
-                for (p, acc) in acc.iter_mut().enumerate() {
-                    scale_block(
-                        acc,
-                        sources[p].add(block * self.block_bytes),
-                        self.q4,
-                        self.results.add(((block & 1) * P + p) * tile_floats),
-                        sums.add(block * TILE_ROWS),
-                    );
-                }
+    sums: *const f32,
+    rows: usize,
+    out: *mut f32,
+) {
+    // SAFETY (whole body): see the caller; `a` holds `blocks` triples of split tiles,
+    // `results` two 16×16 f32 tiles, `sums` `16 · blocks` (4-bit only) and `out` `rows · 16`.
+    unsafe {
+        let (block_bytes, q4) = match kind {
+            Kind::Q4 => (Q4_BLOCK, true),
+            Kind::Q8 => (Q8_BLOCK, false),
+        };
+        let products = |block: usize| {
+            let (a, b) = (a.add(block * A_BLOCK), b_tiles.add(block * B_TILE_BYTES));
+            let result = results.add((block & 1) * TILE_ROWS * PANEL);
+            if block & 1 == 0 {
+                block_products::<0>(a, b, result);
+            } else {
+                block_products::<1>(a, b, result);
             }
-            for (acc, out) in acc.iter().zip(out) {
-                for (m, total) in acc.iter().enumerate().take(rows) {
-                    _mm512_storeu_ps(out.add(m * PANEL), *total);
-                }
+        };
+        let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+        products(0);
+        for block in 0..blocks {
+            if block + 1 < blocks {
+                products(block + 1);
+            }
+            scale_block(
+                &mut acc,
+                source.add(block * block_bytes),
+                q4,
+                results.add((block & 1) * TILE_ROWS * PANEL),
+                sums.wrapping_add(block * TILE_ROWS),
+            );
+        }
+        for (m, total) in acc.iter().enumerate() {
+            if m < rows {
+                _mm512_storeu_ps(out.add(m * PANEL), *total);
             }
         }
     }

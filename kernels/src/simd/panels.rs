@@ -110,7 +110,7 @@ impl Panels {
         })
     }
 
-    pub(super) fn block_bytes(&self) -> usize {
+    fn block_bytes(&self) -> usize {
         match self.kind {
             Kind::Q4 => Q4_BLOCK,
             Kind::Q8 => Q8_BLOCK,
