@@ -313,19 +313,17 @@ impl WeightMatrix {
                         }
                     }
                 }),
-                Path::PanelAmx => SCRATCH.with_borrow_mut(|scratch| {
-                    scratch.sums.resize(batch * simd::PANEL, 0.0);
+                Path::PanelAmx => {
                     // `PanelAmx` is chosen only where panels exist and the CPU has AMX.
                     if let Some(panels) = &self.panels {
                         simd::Tiles::with(|| {
                             for panel in (first..last).step_by(simd::PANEL) {
                                 let rows = simd::PANEL.min(last - panel);
-                                panels.product_amx(panel / simd::PANEL, &split, &mut scratch.sums);
-                                output.store_rows(first_column + panel, rows, &scratch.sums, simd::PANEL);
+                                panels.product_amx(panel / simd::PANEL, &split, &output, first_column + panel, rows);
                             }
                         });
                     }
-                }),
+                }
                 Path::Packed => SCRATCH.with_borrow_mut(|scratch| {
                     for panel in (first..last).step_by(simd::PANEL) {
                         let rows = simd::PANEL.min(last - panel);

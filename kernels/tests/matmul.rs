@@ -183,3 +183,42 @@ fn stacking_keeps_rows_in_order() {
     let other = random_matrix(&mut rng, GgmlType::Q4_0, 2, 64);
     assert!(WeightMatrix::stack(&[a, other]).is_none());
 }
+
+/// Two matrices filling one fused output side by side (as the worker's separate Q, K and V
+/// projections do) give, on every path, the columns each gives alone, and leave the others.
+#[test]
+fn products_into_columns_of_a_wider_output() {
+    let mut rng = StdRng::seed_from_u64(20);
+    for batch in [3, 16, 21] {
+        let mut left = random_matrix(&mut rng, GgmlType::Q4_1, 37, 64);
+        let mut right = random_matrix(&mut rng, GgmlType::Q8_0, 20, 64);
+        left.add_panels();
+        right.add_panels();
+        let x: Vec<f32> = (0..batch * 64).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let width = 37 + 20 + 5;
+        for isa in Isa::available() {
+            let mut fused = vec![7.0f32; batch * width];
+            left.matmul_into_columns(isa, &x, batch, &mut fused, width, 0)
+                .expect("fits");
+            right
+                .matmul_into_columns(isa, &x, batch, &mut fused, width, 37)
+                .expect("fits");
+            let (mut alone_left, mut alone_right) = (vec![0f32; batch * 37], vec![0f32; batch * 20]);
+            left.matmul_on(isa, &x, batch, &mut alone_left).expect("fits");
+            right.matmul_on(isa, &x, batch, &mut alone_right).expect("fits");
+            for b in 0..batch {
+                let row = &fused[b * width..(b + 1) * width];
+                assert_eq!(&row[..37], &alone_left[b * 37..(b + 1) * 37], "{isa:?} batch {batch}");
+                assert_eq!(
+                    &row[37..57],
+                    &alone_right[b * 20..(b + 1) * 20],
+                    "{isa:?} batch {batch}"
+                );
+                assert!(
+                    row[57..].iter().all(|&v| v == 7.0),
+                    "{isa:?} batch {batch}: columns past both"
+                );
+            }
+        }
+    }
+}

@@ -29,8 +29,10 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use rayon::prelude::*;
+
 use super::panels::{Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
-use super::{fits, has_avx512, PANEL};
+use super::{fits, has_avx512, SharedOutput, PANEL};
 
 /// Activation rows per tile.
 pub const TILE_ROWS: usize = 16;
@@ -130,6 +132,31 @@ fn bf16_bits(x: f32) -> u16 {
     ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) as u16
 }
 
+/// A block's 32 values as three bf16 parts each (`hi`, `mid`, `lo`), in a form the compiler
+/// vectorizes.
+fn split_block(values: &[f32; 32]) -> [[u16; 32]; 3] {
+    let widen = |bits: u16| f32::from_bits(u32::from(bits) << 16);
+    let mut parts = [[0u16; 32]; 3];
+    for (c, &v) in values.iter().enumerate() {
+        let hi = bf16_bits(v);
+        let rest = v - widen(hi);
+        let mid = bf16_bits(rest);
+        parts[0][c] = hi;
+        parts[1][c] = mid;
+        parts[2][c] = bf16_bits(rest - widen(mid));
+    }
+    parts
+}
+
+/// The sum of a block's values, in the order [`super::block_sums`] keeps.
+fn block_sum(values: &[f32; 32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    for half in values.chunks_exact(16) {
+        lanes.iter_mut().zip(half).for_each(|(l, v)| *l += v);
+    }
+    lanes.iter().sum()
+}
+
 impl SplitActivations {
     /// Splits `batch` rows of `cols` values (whole blocks; row `b` of `x` at `b * x_stride`).
     pub fn new(x: &[f32], x_stride: usize, batch: usize, cols: usize) -> Self {
@@ -142,26 +169,26 @@ impl SplitActivations {
         tiles_data.resize(tiles * blocks * A_BLOCK / 32, ActivationRow([0; 32]));
         sums.clear();
         sums.resize(tiles * blocks * TILE_ROWS, 0.0);
-        let row_sums = super::block_sums(x, x_stride, batch, cols);
-        for b in 0..batch {
-            let (tile, m) = (b / TILE_ROWS, b % TILE_ROWS);
-            for block in 0..blocks {
-                let values = &x[b * x_stride + block * 32..][..32];
-                let at = (tile * blocks + block) * 3 * TILE_ROWS + m;
-                let (mut hi, mut mid, mut lo) = ([0u16; 32], [0u16; 32], [0u16; 32]);
-                for (((&v, hi), mid), lo) in values.iter().zip(&mut hi).zip(&mut mid).zip(&mut lo) {
-                    let widen = |bits: u16| f32::from_bits(u32::from(bits) << 16);
-                    *hi = bf16_bits(v);
-                    let rest = v - widen(*hi);
-                    *mid = bf16_bits(rest);
-                    *lo = bf16_bits(rest - widen(*mid));
+        // One task per (tile, block): its three tiles' rows and its 16 block sums, on the
+        // pool's threads (serial, this took a fifth of a 128-row product).
+        tiles_data
+            .par_chunks_mut(3 * TILE_ROWS)
+            .zip(sums.par_chunks_mut(TILE_ROWS))
+            .enumerate()
+            .for_each(|(at, (rows, sums))| {
+                let (tile, block) = (at / blocks, at % blocks);
+                for (m, sum) in sums.iter_mut().enumerate().take(batch.saturating_sub(tile * TILE_ROWS)) {
+                    // Whole blocks of a row of `x` (`matmul` checked its length).
+                    let Some(values) = x[(tile * TILE_ROWS + m) * x_stride + block * 32..].first_chunk::<32>() else {
+                        continue;
+                    };
+                    let parts = split_block(values);
+                    for (part, bits) in parts.into_iter().enumerate() {
+                        rows[part * TILE_ROWS + m] = ActivationRow(bits);
+                    }
+                    *sum = block_sum(values);
                 }
-                for (part, values) in [hi, mid, lo].into_iter().enumerate() {
-                    tiles_data[at + part * TILE_ROWS] = ActivationRow(values);
-                }
-                sums[(tile * blocks + block) * TILE_ROWS + m] = row_sums[b * blocks + block];
-            }
-        }
+            });
         Self {
             tiles_data,
             sums,
@@ -236,13 +263,23 @@ impl Tiles {
 }
 
 impl Panels {
-    /// `out[b][r] = Σ_k x[b][k] · w[panel · PANEL + r][k]` for every row `b` of `acts` and
-    /// `r < PANEL`. Must run inside [`Tiles::with`].
-    pub fn product_amx(&self, panel: usize, acts: &SplitActivations, out: &mut [f32]) {
+    /// `out[b][first_column + r] = Σ_k x[b][k] · w[panel · PANEL + r][k]` for every row `b` of
+    /// `acts` and `r < columns` (at most `PANEL`: a last panel's real rows), written straight into
+    /// `out`. Must run inside [`Tiles::with`]; the caller owns those columns of `out` (the
+    /// [`SharedOutput`] invariant).
+    pub fn product_amx(
+        &self,
+        panel: usize,
+        acts: &SplitActivations,
+        out: &SharedOutput,
+        first_column: usize,
+        columns: usize,
+    ) {
         assert!(has_amx());
         let blocks = self.blocks_per_row();
         assert_eq!(acts.blocks, blocks);
-        assert!(fits(out.len(), acts.rows.checked_mul(PANEL)));
+        assert!(columns <= PANEL && fits(out.columns, first_column.checked_add(columns)));
+        assert_eq!(out.batch, acts.rows);
         let source = self.blocks(panel, 0..blocks);
         SCRATCH.with_borrow_mut(|scratch| {
             scratch.b_tiles.resize(blocks * B_TILE_BYTES / 64, Line([0; 64]));
@@ -262,7 +299,8 @@ impl Panels {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: inside `Tiles::with` (caller); `acts` holds `blocks` split blocks and
                 // block sums for each of its tiles (its constructor), `b_tiles` `blocks` tiles,
-                // `results` two result tiles and `out` the valid rows' `PANEL` results (asserted).
+                // `results` two result tiles; `out` has `acts.rows` rows of `out.columns`, of which
+                // `first_column..first_column + columns` are this task's (asserted above).
                 unsafe {
                     tile_product(
                         self.kind(),
@@ -273,12 +311,24 @@ impl Panels {
                         scratch.results.as_mut_ptr().cast(),
                         acts.sums.as_ptr().add(tile * blocks * TILE_ROWS),
                         TILE_ROWS.min(acts.rows - first),
-                        out.as_mut_ptr().add(first * PANEL),
+                        Destination {
+                            first: out.ptr.add(first * out.columns + first_column),
+                            stride: out.columns,
+                            columns,
+                        },
                     );
                 }
             }
         });
     }
+}
+
+/// Where a tile's results go: `rows` rows `stride` apart from `first`, `columns` values each.
+#[derive(Clone, Copy)]
+struct Destination {
+    first: *mut f32,
+    stride: usize,
+    columns: usize,
 }
 
 /// `index & 31 → bf16(index & 15)`: a widened nibble's bf16, whatever the bit above it holds.
@@ -342,10 +392,10 @@ unsafe fn widen_q8(source: *const u8, blocks: usize, tiles: *mut u8) {
     }
 }
 
-/// Runs block `block`'s products for one activation tile on tile-register set `SET` (0:
+/// Runs one block's products for one activation tile on tile-register set `SET` (0:
 /// `tmm0..tmm3`, 1: `tmm4..tmm7`): `results = hi·q + mid·q + lo·q`, `[16][16]` f32 (`lo`
-/// reloads the tile `hi` used once its product has read it). Two sets in turn
-/// let one block's products run while the vector unit scales the block before.
+/// reloads the tile `hi` used once its product has read it). Two sets in turn let one block's
+/// products run while the vector unit scales the block before.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn block_products<const SET: usize>(a: *const u16, b: *const u8, results: *mut f32) {
@@ -422,22 +472,23 @@ unsafe fn tile_product(
     results: *mut f32,
     sums: *const f32,
     rows: usize,
-    out: *mut f32,
+    out: Destination,
 ) {
     // SAFETY (whole body): see the caller; `a` holds `blocks` triples of split tiles,
-    // `results` two 16×16 f32 tiles, `sums` `16 · blocks` (4-bit only) and `out` `rows · 16`.
+    // `results` two 16×16 f32 tiles, `sums` `16 · blocks` (4-bit only) and `out` `rows` rows
+    // of `out.columns` values.
     unsafe {
         let (block_bytes, q4) = match kind {
             Kind::Q4 => (Q4_BLOCK, true),
             Kind::Q8 => (Q8_BLOCK, false),
         };
+        let result = |block: usize| results.add((block & 1) * TILE_ROWS * PANEL);
         let products = |block: usize| {
             let (a, b) = (a.add(block * A_BLOCK), b_tiles.add(block * B_TILE_BYTES));
-            let result = results.add((block & 1) * TILE_ROWS * PANEL);
             if block & 1 == 0 {
-                block_products::<0>(a, b, result);
+                block_products::<0>(a, b, result(block));
             } else {
-                block_products::<1>(a, b, result);
+                block_products::<1>(a, b, result(block));
             }
         };
         let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
@@ -450,13 +501,14 @@ unsafe fn tile_product(
                 &mut acc,
                 source.add(block * block_bytes),
                 q4,
-                results.add((block & 1) * TILE_ROWS * PANEL),
+                result(block),
                 sums.wrapping_add(block * TILE_ROWS),
             );
         }
+        let columns = (1u32 << out.columns) - 1;
         for (m, total) in acc.iter().enumerate() {
             if m < rows {
-                _mm512_storeu_ps(out.add(m * PANEL), *total);
+                _mm512_mask_storeu_ps(out.first.add(m * out.stride), columns as __mmask16, *total);
             }
         }
     }
