@@ -233,7 +233,14 @@ impl Config {
         });
         let figment = Figment::from(Serialized::defaults(Config::default()))
             .merge(Toml::file(path))
-            .merge(Env::prefixed("RIVULET_").ignore(&["CONFIG"]).split("__"));
+            .merge(
+                Env::prefixed("RIVULET_")
+                    .ignore(&["CONFIG"])
+                    // `RIVULET_KERNELS_*` choose the CPU kernels' code path in the worker (which
+                    // inherits this environment); they are not configuration keys.
+                    .filter(|key| !key.as_str().to_ascii_uppercase().starts_with("KERNELS_"))
+                    .split("__"),
+            );
         let figment = overrides.0.into_iter().fold(figment, |figment, (key, value)| {
             figment.merge(Serialized::default(key, value))
         });
@@ -361,6 +368,8 @@ mod tests {
         figment::Jail::expect_with(|jail| {
             jail.create_file("rivulet.toml", "[scheduler]\nmax_num_seqs = 8\n")?;
             jail.set_env("RIVULET_SERVER__LISTEN", "127.0.0.1:6000");
+            // The kernels' path switches pass through to the worker, not into the configuration.
+            jail.set_env("RIVULET_KERNELS_NO_AMX", "1");
             let config = Config::load(None).map_err(|e| e.to_string())?;
             assert_eq!(config.scheduler.max_num_seqs, 8);
             assert_eq!(config.server.listen.port(), 6000);
