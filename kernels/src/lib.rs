@@ -5,8 +5,8 @@
 //! - [`ops`]: RMSNorm, interleaved rotary embedding, SiLU·mul — row by row, no temporaries.
 //! - [`attention`]: attention for every token of a step straight over the paged KV cache (block
 //!   tables are followed, never gathered), grouped-query heads sharing each key read.
-//! - `simd` (and its children in `simd/`): the crate's only `unsafe` — AVX2/FMA/F16C paths
-//!   chosen at run time, with a portable fallback for every one of them.
+//! - `simd` (and its children in `simd/`): the crate's only `unsafe` — AMX, AVX-512 and
+//!   AVX2/FMA/F16C paths chosen at run time, with a portable fallback for every one of them.
 //!
 //! Parallel work runs on the current rayon pool, whose threads sleep when there is none; its
 //! threads should call [`flush_subnormals_on_this_thread`] when they start (the worker's do).

@@ -3,7 +3,9 @@
 //! Q4_0, Q4_1 and Q8_0 can be rearranged by panels of 16 rows ([`WeightMatrix::add_panels`],
 //! the blocks' bytes): one 16-byte load is one column of 16 rows. With AVX-512 every step
 //! multiplies straight from the panels, decoded in registers, eight activation rows a pass, and
-//! the row-major blocks can go ([`WeightMatrix::keep_only_panels`]). Otherwise (AVX2): up to 8
+//! the row-major blocks can go ([`WeightMatrix::keep_only_panels`]); where the CPU also has AMX,
+//! steps of [`AMX_MIN_BATCH`] rows or more multiply the panels on the tiles instead (`simd::amx`:
+//! exact quants times activations split into three bf16 parts, f32 sums). Otherwise (AVX2): up to 8
 //! activation rows, each row-major block is decoded in registers and used at once (the GEMV
 //! paths in `simd`); from 9 rows on each task decodes a panel of 16 weight rows, a tile of
 //! columns at a time, into an L1-resident `[k][16]` f32 buffer — exactly GGUF's dequantization —
@@ -216,6 +218,7 @@ impl WeightMatrix {
         if batch == 0 || self.rows == 0 {
             return Ok(());
         }
+        // With AMX and panels, batches of `AMX_MIN_BATCH` or more run on the tiles (`PanelAmx`).
         // With AVX-512 and panels, every batch multiplies straight from the panels, decoded in
         // registers, eight activation rows a pass (`PanelGemv`). Otherwise small batches decode
         // each row-major block in registers and use it at once (`Gemv`; one or two rows against
