@@ -227,7 +227,7 @@ impl WeightMatrix {
         // (`Packed`); `Portable` is the same idea in plain Rust.
         let whole_blocks = self.cols.is_multiple_of(32);
         let path = match isa {
-            Isa::Amx if self.panels.is_some() && batch >= AMX_MIN_BATCH => Path::PanelAmx,
+            Isa::Amx if self.panels.is_some() && batch >= AMX_MIN_BATCH && self.cols > 0 => Path::PanelAmx,
             _ if self.panels_only => Path::PanelGemv,
             Isa::Amx if self.panels.is_some() => Path::PanelGemv,
             Isa::Avx512 if self.panels.is_some() => Path::PanelGemv,

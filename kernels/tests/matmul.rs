@@ -222,3 +222,19 @@ fn products_into_columns_of_a_wider_output() {
         }
     }
 }
+
+/// A matrix of empty rows gives zeros on every path, whatever the batch (tile-sized ones too).
+#[test]
+fn empty_rows_give_zeros() {
+    for format in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        let mut matrix = WeightMatrix::new(format, 20, 0, Vec::new()).expect("empty rows are whole blocks");
+        matrix.add_panels();
+        for batch in [1, 16, 33] {
+            for isa in Isa::available() {
+                let mut out = vec![f32::NAN; batch * 20];
+                matrix.matmul_on(isa, &[], batch, &mut out).expect("shapes match");
+                assert!(out.iter().all(|&v| v == 0.0), "{format:?} {isa:?} batch {batch}");
+            }
+        }
+    }
+}
