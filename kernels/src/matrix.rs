@@ -229,8 +229,7 @@ impl WeightMatrix {
         let path = match isa {
             Isa::Amx if self.panels.is_some() && batch >= AMX_MIN_BATCH && self.cols > 0 => Path::PanelAmx,
             _ if self.panels_only => Path::PanelGemv,
-            Isa::Amx if self.panels.is_some() => Path::PanelGemv,
-            Isa::Avx512 if self.panels.is_some() => Path::PanelGemv,
+            Isa::Avx512 | Isa::Amx if self.panels.is_some() => Path::PanelGemv,
             Isa::Avx2 | Isa::Avx512 | Isa::Amx
                 if batch <= simd::GEMV_Q4_1_MAX_BATCH && self.format == GgmlType::Q4_1 && whole_blocks =>
             {

@@ -1,6 +1,7 @@
 //! The crate's only `unsafe` (here and in its children [`gemv_q4_1`], [`panels`],
 //! [`panel_gemv`], [`amx`] and [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F
-//! one, an AMX one (with its own invariants, stated there), and the output handle that lets parallel tasks write disjoint columns of one matrix.
+//! one, an AMX one (with its own invariants, stated there), and the output handle that lets
+//! parallel tasks write disjoint columns of one matrix.
 //!
 //! Invariants, checked where each function is entered from safe code:
 //! - Every `#[target_feature]` function is called only after [`has_avx2`] (for `avx512f`

@@ -209,7 +209,7 @@ impl Panels {
                     Kind::Q8 => widen_q8(source.as_ptr(), blocks, tiles),
                 }
             }
-            for tile in 0..acts.tiles {
+            for tile in 0..acts.tiles() {
                 let first = tile * TILE_ROWS;
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: inside `Tiles::with` (caller); `acts` holds `blocks` split blocks and
@@ -373,8 +373,8 @@ unsafe fn scale_block(
 }
 
 /// One tile of activation rows (`rows` of them valid) times one panel: per block, the split
-/// activations times `q` on the tiles, then `d` and the offset applied in f32, block `b`'s scaling overlapping block
-/// `b + 1`'s products.
+/// activations times `q` on the tiles, then `d` and the offset applied in f32, block `b`'s
+/// scaling overlapping block `b + 1`'s products.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,f16c")]
 #[allow(clippy::too_many_arguments)]

@@ -30,15 +30,19 @@ pub const PANEL_GEMV_ROWS: usize = 8;
 pub fn block_sums(x: &[f32], x_stride: usize, batch: usize, cols: usize) -> Vec<f32> {
     let mut sums = Vec::with_capacity(batch * cols / 32);
     for b in 0..batch {
-        for block in x[b * x_stride..b * x_stride + cols].chunks_exact(32) {
-            let mut lanes = [0f32; 16];
-            for half in block.chunks_exact(16) {
-                lanes.iter_mut().zip(half).for_each(|(l, v)| *l += v);
-            }
-            sums.push(lanes.iter().sum());
-        }
+        sums.extend(x[b * x_stride..b * x_stride + cols].chunks_exact(32).map(block_sum));
     }
     sums
+}
+
+/// The sum of one block's 32 values, in the order a vectorized loop keeps (the AMX path's
+/// split sums its blocks with it too).
+pub fn block_sum(block: &[f32]) -> f32 {
+    let mut lanes = [0f32; 16];
+    for half in block.chunks_exact(16) {
+        lanes.iter_mut().zip(half).for_each(|(l, v)| *l += v);
+    }
+    lanes.iter().sum()
 }
 
 impl Panels {

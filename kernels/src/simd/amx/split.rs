@@ -6,6 +6,7 @@
 use rayon::prelude::*;
 
 use super::TILE_ROWS;
+use crate::simd::panel_gemv::block_sum;
 
 /// An activation matrix split for the tiles, tile by tile and block by block: for each tile of
 /// 16 rows (zero rows pad the last) and each block of 32 columns, the `hi`, `mid` and `lo`
@@ -17,7 +18,6 @@ pub struct SplitActivations {
     pub(super) sums: Vec<f32>,
     pub(super) blocks: usize,
     pub(super) rows: usize,
-    pub(super) tiles: usize,
 }
 
 impl Drop for SplitActivations {
@@ -97,16 +97,12 @@ fn split_with(values: &[f32; 32], round: impl Fn(f32) -> u16) -> [[u16; 32]; 3] 
     parts
 }
 
-/// The sum of a block's values, in the order [`crate::simd::block_sums`] keeps.
-fn block_sum(values: &[f32; 32]) -> f32 {
-    let mut lanes = [0f32; 16];
-    for half in values.chunks_exact(16) {
-        lanes.iter_mut().zip(half).for_each(|(l, v)| *l += v);
-    }
-    lanes.iter().sum()
-}
-
 impl SplitActivations {
+    /// Tiles of 16 rows the split holds (zero rows pad the last).
+    pub(super) fn tiles(&self) -> usize {
+        self.rows.div_ceil(TILE_ROWS)
+    }
+
     /// Splits `batch` rows of `cols` values (whole blocks; row `b` of `x` at `b * x_stride`).
     pub fn new(x: &[f32], x_stride: usize, batch: usize, cols: usize) -> Self {
         let blocks = cols / 32;
@@ -143,7 +139,6 @@ impl SplitActivations {
             sums,
             blocks,
             rows: batch,
-            tiles,
         }
     }
 }
@@ -187,7 +182,7 @@ mod tests {
             .map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.1)
             .collect();
         let split = SplitActivations::new(&x, cols, batch, cols);
-        assert_eq!((split.tiles, split.blocks), (2, 2));
+        assert_eq!((split.tiles(), split.blocks), (2, 2));
         let widen = |bits: u16| f64::from(f32::from_bits(u32::from(bits) << 16));
         for tile in 0..2 {
             for block in 0..2 {
