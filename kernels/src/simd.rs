@@ -32,7 +32,7 @@ mod panels;
 pub use amx::{has_amx, SplitActivations, Tiles};
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
 pub use grouped_heads::{group_dots, weighted_rows};
-pub use panel_gemv::block_sums;
+pub use panel_gemv::{block_sums, PANEL_GEMV_ROWS};
 pub use panels::Panels;
 
 /// Whether this CPU runs the AVX2 paths (detected once; `RIVULET_KERNELS_PORTABLE=1` forces the
@@ -697,13 +697,22 @@ impl<'a> SharedOutput<'a> {
         }
     }
 
-    /// Stores `values[b][j]` (`values` is `[batch][stride]`) at `out[b][first + j]` for
-    /// `j < columns`. Callers pass only the columns their task owns (module invariant).
-    pub fn store_rows(&self, first: usize, columns: usize, values: &[f32], stride: usize) {
+    /// Stores `values[i][j]` (`values` is `[batch_rows.len()][stride]`) at
+    /// `out[batch_rows.start + i][first + j]` for `j < columns`. Callers pass only the columns
+    /// their task owns (module invariant).
+    pub fn store_rows(
+        &self,
+        batch_rows: std::ops::Range<usize>,
+        first: usize,
+        columns: usize,
+        values: &[f32],
+        stride: usize,
+    ) {
         assert!(fits(self.columns, first.checked_add(columns)) && columns <= stride);
-        assert!(fits(values.len(), strided_len(self.batch, stride, columns)));
-        for b in 0..self.batch {
-            let src = &values[b * stride..b * stride + columns];
+        assert!(batch_rows.start <= batch_rows.end && batch_rows.end <= self.batch);
+        assert!(fits(values.len(), strided_len(batch_rows.len(), stride, columns)));
+        for (i, b) in batch_rows.enumerate() {
+            let src = &values[i * stride..i * stride + columns];
             // SAFETY: in bounds (asserted); no other task writes these columns.
             unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(b * self.columns + first), columns) };
         }

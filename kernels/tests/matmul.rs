@@ -143,6 +143,17 @@ fn larger_batches_and_many_tasks() {
     check(&mut rng, GgmlType::Q8_0, 130, 64, 17);
 }
 
+/// Batches the AVX-512 panel path sweeps in several tiles of activation rows (256 KiB of them a
+/// tile: 112 rows of 576 values, 40 of 1536), the last tile partial and not a whole pass.
+#[test]
+fn batches_of_several_row_tiles() {
+    let mut rng = StdRng::seed_from_u64(23);
+    for format in [GgmlType::Q4_1, GgmlType::Q8_0] {
+        check(&mut rng, format, 37, 1536, 85);
+        check(&mut rng, format, 21, 576, 229);
+    }
+}
+
 /// The tile path (AMX, where the CPU has it; 16+ rows): whole and partial tiles of activation
 /// rows, an odd number of blocks per row, and a last partial panel of weight rows. On a CPU
 /// without AMX the same products run on the other paths.
