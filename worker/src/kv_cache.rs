@@ -6,6 +6,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::WorkerError;
+use crate::page_buffer::PageBuffer;
 
 pub struct LayerKv {
     pub keys: Tensor,
@@ -105,8 +106,9 @@ impl KvCache {
 }
 
 /// The KV cache of the CPU kernels ([`crate::cpu_model`]): per layer, K and V as plain f32
-/// `[slots][n_kv_heads · head_dim]`, the same slot numbering as [`KvCache`]. Zeroed pages are
-/// only touched, so resident memory grows with the slots in use.
+/// `[slots][n_kv_heads · head_dim]`, the same slot numbering as [`KvCache`], each in its own
+/// page-aligned mapping ([`PageBuffer`]: every head's slice of a slot starts on a cache line).
+/// Zeroed pages are only touched, so resident memory grows with the slots in use.
 pub struct HostKvCache {
     pub layers: Vec<HostLayerKv>,
     pub num_blocks: usize,
@@ -114,8 +116,8 @@ pub struct HostKvCache {
 }
 
 pub struct HostLayerKv {
-    pub keys: Vec<f32>,
-    pub values: Vec<f32>,
+    pub keys: PageBuffer,
+    pub values: PageBuffer,
 }
 
 impl HostKvCache {
@@ -128,11 +130,13 @@ impl HostKvCache {
         let num_blocks = blocks_in_budget(config, block_size, memory_bytes, max_model_len, Kind::Float)?;
         let values = num_blocks * block_size * config.kv_dim();
         let layers = (0..config.num_layers)
-            .map(|_| HostLayerKv {
-                keys: vec![0.0; values],
-                values: vec![0.0; values],
+            .map(|_| -> Result<HostLayerKv, WorkerError> {
+                Ok(HostLayerKv {
+                    keys: PageBuffer::zeroed(values)?,
+                    values: PageBuffer::zeroed(values)?,
+                })
             })
-            .collect();
+            .collect::<Result<_, _>>()?;
         Ok(Self {
             layers,
             num_blocks,

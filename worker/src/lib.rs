@@ -28,6 +28,7 @@ pub mod kv_cache;
 pub mod malloc_tuning;
 pub mod memory;
 pub mod model;
+pub mod page_buffer;
 pub mod rope;
 pub mod sampler;
 pub mod service;
