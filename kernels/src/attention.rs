@@ -14,7 +14,7 @@
 
 use rayon::prelude::*;
 
-use crate::{exp_in_place, group_dots, weighted_rows};
+use crate::{exp_in_place, score_keys, weighted_rows};
 
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
@@ -230,9 +230,6 @@ fn query_group_of(
     &queries[first..first + group_width]
 }
 
-/// How far ahead of the row being scored its key and value rows are prefetched.
-const PREFETCH_ROWS_AHEAD: usize = 8;
-
 thread_local! {
     /// `[keys][group]` scores, the key/value rows' offsets and `[2][group]` maxima and sums,
     /// reused across calls.
@@ -301,15 +298,7 @@ fn attend_part(
     // `[count][group]`: one key's scores for the whole group side by side.
     scores.clear();
     scores.resize(count * group, 0.0);
-    for (index, (row, &at)) in scores.chunks_exact_mut(group).zip(offsets.iter()).enumerate() {
-        // Key rows are a head's slice of each slot, so the hardware prefetcher does not follow
-        // them (the scores waited on memory); value rows are fetched now for the weighted sum.
-        if let Some(&ahead) = offsets.get(index + PREFETCH_ROWS_AHEAD) {
-            crate::simd::prefetch(&keys[ahead..ahead + shape.head_dim]);
-            crate::simd::prefetch(&values[ahead..ahead + shape.head_dim]);
-        }
-        group_dots(query_group, &keys[at..at + shape.head_dim], scale, row);
-    }
+    score_keys(query_group, keys, values, offsets, shape.head_dim, scale, scores);
     softmax_numerators(scores, group, max, total);
     weighted_rows(scores, group, values, offsets, shape.head_dim, sum);
 }
@@ -402,7 +391,8 @@ mod tests {
 
     #[test]
     fn matches_dense_attention_through_scattered_blocks() {
-        // 12: the portable path; 16: whole vectors (AVX2 where the CPU has it); groups of 3 and 4.
+        // 12: the portable path; 16 and up: whole vectors (AVX2 or AVX-512 where the CPU has
+        // them); groups of 2 to 5.
         // Unsplit, and with every pair's keys split into parts of at least 2 or 3 keys (merged
         // by rescaling), as one or two decoding sequences are.
         let splits = [
@@ -410,7 +400,7 @@ mod tests {
             Split { tasks: 64, min_keys: 2 },
             Split { tasks: 24, min_keys: 3 },
         ];
-        for (heads, head_dim) in [(6, 12), (8, 16), (6, 64)] {
+        for (heads, head_dim) in [(6, 12), (8, 16), (4, 32), (6, 64), (10, 128)] {
             for split in splits {
                 check_against_dense(heads, head_dim, split);
             }

@@ -48,4 +48,4 @@ pub enum KernelError {
 }
 
 /// Vector helpers shared by the kernels' modules.
-pub(crate) use simd::{dot, exp_in_place, group_dots, weighted_rows};
+pub(crate) use simd::{dot, exp_in_place, score_keys, weighted_rows};

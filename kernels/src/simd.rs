@@ -31,7 +31,7 @@ mod panel_gemv;
 mod panels;
 pub use amx::{has_amx, SplitActivations, Tiles};
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
-pub use grouped_heads::{group_dots, weighted_rows};
+pub use grouped_heads::{score_keys, weighted_rows};
 pub use panel_gemv::{block_sums, PANEL_GEMV_ROWS};
 pub use panels::Panels;
 
