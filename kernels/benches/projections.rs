@@ -4,7 +4,7 @@
 //! `cargo bench -p rivulet-kernels --bench projections [-- threads [batches [formats]]]`, e.g.
 //! `-- 2 1,32 Q4_1` (defaults: all cores, 1,8,32,64, Q4_1,Q4_0,Q8_0,F16).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -71,6 +71,13 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
     println!(
         "threads {threads}; one step = {layers} layers of SmolLM2-135M projections (no head), {distinct} distinct"
     );
+    // What the GFLOP/s column can be read against: the FMA units' peak, every thread at once.
+    let peak: Option<f64> = rayon::broadcast(|_| rivulet_kernels::fma_peak_gflops(Duration::from_millis(300)))
+        .into_iter()
+        .sum();
+    if let Some(peak) = peak {
+        println!("fp32 FMA peak (the kernels' widest vectors, {threads} threads at once): {peak:.1} GFLOP/s");
+    }
     println!(
         "{:<6} {:<9} {:>6} {:>10} {:>10} {:>10}",
         "format", "path", "batch", "ms/step", "GB/s", "GFLOP/s"

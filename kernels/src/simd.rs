@@ -29,11 +29,13 @@ mod gemv_q4_1;
 mod grouped_heads;
 mod panel_gemv;
 mod panels;
+mod peak;
 pub use amx::{has_amx, SplitActivations, Tiles};
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
 pub use grouped_heads::{score_keys, weighted_rows};
 pub use panel_gemv::{block_sums, PANEL_GEMV_ROWS};
 pub use panels::Panels;
+pub use peak::fma_peak_gflops;
 
 /// Whether this CPU runs the AVX2 paths (detected once; `RIVULET_KERNELS_PORTABLE=1` forces the
 /// portable code, to test and measure it).

@@ -129,6 +129,23 @@ fn main() -> anyhow::Result<()> {
         rivulet_worker::device::describe(device),
         threads = tch::get_num_threads(),
     );
+    // The FMA units' own peak, every thread at once: libtorch's sgemm can be far below it (MKL's
+    // AVX2 kernel on AMD CPUs with AVX-512), and the kernels can exceed that "roofline".
+    let fma_peak = (device == Device::Cpu)
+        .then(|| {
+            let threads = tch::get_num_threads().max(1) as usize;
+            let per_thread: Vec<Option<f64>> = std::thread::scope(|scope| {
+                let runs: Vec<_> = (0..threads)
+                    .map(|_| scope.spawn(|| rivulet_kernels::fma_peak_gflops(std::time::Duration::from_millis(300))))
+                    .collect();
+                runs.into_iter().map(|run| run.join().ok().flatten()).collect()
+            });
+            per_thread.into_iter().sum::<Option<f64>>()
+        })
+        .flatten();
+    if let Some(peak) = fma_peak {
+        println!("fp32 FMA peak (the kernels' widest vectors, every thread at once): {peak:.1} GFLOP/s");
+    }
     println!("roofline = min(compute: GFLOP/s / FLOPs per token, bandwidth: tokens per step × GB/s / weight bytes)");
     let mut runs: Vec<(String, Box<dyn BenchEngine>, f64)> = Vec::new();
     if engines == "kernels" || engines == "both" {
@@ -171,8 +188,8 @@ fn main() -> anyhow::Result<()> {
         ));
     }
     println!(
-        "{:<20} {:<22} {:>10} {:>12} {:>14} {:>12}",
-        "engine", "step", "ms/step", "tokens/s", "roofline tok/s", "of roofline"
+        "{:<20} {:<22} {:>10} {:>12} {:>14} {:>12} {:>12}",
+        "engine", "step", "ms/step", "tokens/s", "roofline tok/s", "of roofline", "of FMA peak"
     );
     for (name, engine, weight_bytes) in &mut runs {
         let report = |step: &str, seconds: f64, tokens: i64, context: i64| {
@@ -180,8 +197,14 @@ fn main() -> anyhow::Result<()> {
             let bandwidth_bound = tokens as f64 * bandwidth * 1e9 / *weight_bytes;
             let roofline = compute_bound.min(bandwidth_bound);
             let rate = tokens as f64 / seconds;
+            let of_peak = fma_peak.map_or("-".to_owned(), |peak| {
+                format!(
+                    "{:.0}%",
+                    100.0 * rate * flops_per_token(&config, context) / (peak * 1e9)
+                )
+            });
             println!(
-                "{name:<20} {step:<22} {:>10.2} {rate:>12.1} {roofline:>14.1} {:>11.0}%",
+                "{name:<20} {step:<22} {:>10.2} {rate:>12.1} {roofline:>14.1} {:>11.0}% {of_peak:>12}",
                 seconds * 1e3,
                 100.0 * rate / roofline
             );
