@@ -72,10 +72,7 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
         "threads {threads}; one step = {layers} layers of SmolLM2-135M projections (no head), {distinct} distinct"
     );
     // What the GFLOP/s column can be read against: the FMA units' peak, every thread at once.
-    let peak: Option<f64> = rayon::broadcast(|_| rivulet_kernels::fma_peak_gflops(Duration::from_millis(300)))
-        .into_iter()
-        .sum();
-    if let Some(peak) = peak {
+    if let Some(peak) = rivulet_kernels::fma_peak_gflops_on(threads, Duration::from_millis(300)) {
         println!("fp32 FMA peak (the kernels' widest vectors, {threads} threads at once): {peak:.1} GFLOP/s");
     }
     println!(

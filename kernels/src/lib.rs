@@ -17,7 +17,7 @@ pub mod ops;
 mod simd;
 
 pub use matrix::{Isa, WeightMatrix};
-pub use simd::{flush_subnormals_on_this_thread, fma_peak_gflops, has_avx2};
+pub use simd::{flush_subnormals_on_this_thread, fma_peak_gflops_on, has_avx2};
 
 use rivulet_gguf::GgmlType;
 

@@ -35,7 +35,7 @@ pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
 pub use grouped_heads::{score_keys, weighted_rows};
 pub use panel_gemv::{block_sums, PANEL_GEMV_ROWS};
 pub use panels::Panels;
-pub use peak::fma_peak_gflops;
+pub use peak::fma_peak_gflops_on;
 
 /// Whether this CPU runs the AVX2 paths (detected once; `RIVULET_KERNELS_PORTABLE=1` forces the
 /// portable code, to test and measure it).

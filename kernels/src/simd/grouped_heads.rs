@@ -99,16 +99,14 @@ pub fn weighted_rows(weights: &[f32], group: usize, values: &[f32], offsets: &[u
                 (4, 0, _) => weighted_rows_avx512::<4, 4>(w, v, offsets, dim, o),
                 (5, 0, _) => weighted_rows_avx512::<5, 4>(w, v, offsets, dim, o),
                 (6, 0, _) => weighted_rows_avx512::<6, 4>(w, v, offsets, dim, o),
+                (1, _, 0) => weighted_rows_avx512::<1, 2>(w, v, offsets, dim, o),
+                (2, _, 0) => weighted_rows_avx512::<2, 2>(w, v, offsets, dim, o),
+                (3, _, 0) => weighted_rows_avx512::<3, 2>(w, v, offsets, dim, o),
+                (4, _, 0) => weighted_rows_avx512::<4, 2>(w, v, offsets, dim, o),
+                (5, _, 0) => weighted_rows_avx512::<5, 2>(w, v, offsets, dim, o),
+                (6, _, 0) => weighted_rows_avx512::<6, 2>(w, v, offsets, dim, o),
                 (7, _, 0) => weighted_rows_avx512::<7, 2>(w, v, offsets, dim, o),
                 (8, _, 0) => weighted_rows_avx512::<8, 2>(w, v, offsets, dim, o),
-                (1..=6, _, 0) => match group {
-                    1 => weighted_rows_avx512::<1, 2>(w, v, offsets, dim, o),
-                    2 => weighted_rows_avx512::<2, 2>(w, v, offsets, dim, o),
-                    3 => weighted_rows_avx512::<3, 2>(w, v, offsets, dim, o),
-                    4 => weighted_rows_avx512::<4, 2>(w, v, offsets, dim, o),
-                    5 => weighted_rows_avx512::<5, 2>(w, v, offsets, dim, o),
-                    _ => weighted_rows_avx512::<6, 2>(w, v, offsets, dim, o),
-                },
                 _ => false,
             }
         };

@@ -18,9 +18,8 @@ const CHAINS: usize = 12;
 /// FMAs per chain between clock readings.
 const ROUND: usize = 1 << 16;
 
-/// GFLOP/s of fp32 FMAs on the calling thread over about `duration`, on AVX-512 or AVX2
-/// (whichever the kernels use); `None` on CPUs where they run the portable path.
-pub fn fma_peak_gflops(duration: Duration) -> Option<f64> {
+/// [`fma_peak_gflops_on`] for the calling thread alone.
+fn fma_peak_gflops(duration: Duration) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {
         let (lanes, round): (usize, fn() -> f32) = if has_avx512() {
@@ -47,6 +46,19 @@ pub fn fma_peak_gflops(duration: Duration) -> Option<f64> {
         let _ = duration;
         None
     }
+}
+
+/// GFLOP/s of fp32 FMAs on the widest vectors the kernels use (AVX-512 or AVX2), measured on
+/// `threads` threads at once over about `duration` and summed: the machine's peak with that many
+/// cores busy (clocks drop as more of them run wide vectors). `None` on CPUs where the kernels
+/// run the portable path.
+pub fn fma_peak_gflops_on(threads: usize, duration: Duration) -> Option<f64> {
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = (0..threads.max(1))
+            .map(|_| scope.spawn(move || fma_peak_gflops(duration)))
+            .collect();
+        runs.into_iter().map(|run| run.join().ok().flatten()).sum()
+    })
 }
 
 #[cfg(target_arch = "x86_64")]

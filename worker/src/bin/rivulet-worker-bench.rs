@@ -131,18 +131,12 @@ fn main() -> anyhow::Result<()> {
     );
     // The FMA units' own peak, every thread at once: libtorch's sgemm can be far below it (MKL's
     // AVX2 kernel on AMD CPUs with AVX-512), and the kernels can exceed that "roofline".
-    let fma_peak = (device == Device::Cpu)
-        .then(|| {
-            let threads = tch::get_num_threads().max(1) as usize;
-            let per_thread: Vec<Option<f64>> = std::thread::scope(|scope| {
-                let runs: Vec<_> = (0..threads)
-                    .map(|_| scope.spawn(|| rivulet_kernels::fma_peak_gflops(std::time::Duration::from_millis(300))))
-                    .collect();
-                runs.into_iter().map(|run| run.join().ok().flatten()).collect()
-            });
-            per_thread.into_iter().sum::<Option<f64>>()
-        })
-        .flatten();
+    let fma_peak = if device == Device::Cpu {
+        let threads = tch::get_num_threads().max(1) as usize;
+        rivulet_kernels::fma_peak_gflops_on(threads, std::time::Duration::from_millis(300))
+    } else {
+        None
+    };
     if let Some(peak) = fma_peak {
         println!("fp32 FMA peak (the kernels' widest vectors, every thread at once): {peak:.1} GFLOP/s");
     }
