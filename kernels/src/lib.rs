@@ -3,6 +3,7 @@
 //! - [`matrix`]: weights kept in their GGUF blocks (Q4_0, Q4_1, Q8_0, the K-quants, f16, bf16,
 //!   f32) and `x · Wᵀ` for f32 activations, decoded tile by tile into L1.
 //! - [`ops`]: RMSNorm, interleaved rotary embedding, SiLU·mul — row by row, no temporaries.
+//! - [`logits`]: a greedy step's reading of its logits (argmax, log-normalizer, alternatives).
 //! - [`attention`]: attention for every token of a step straight over the paged KV cache (block
 //!   tables are followed, never gathered), grouped-query heads sharing each key read.
 //! - `simd` (and its children in `simd/`): the crate's only `unsafe` — AMX, AVX-512 and
@@ -12,6 +13,7 @@
 //! threads should call [`flush_subnormals_on_this_thread`] when they start (the worker's do).
 
 pub mod attention;
+pub mod logits;
 pub mod matrix;
 pub mod ops;
 mod simd;

@@ -279,12 +279,18 @@ impl CpuModel {
         &self.weights
     }
 
-    /// Runs the step and returns f32 logits `[logit_rows, vocab]`.
-    pub fn forward(&self, step: &HostStepInputs<'_>, cache: &mut HostKvCache) -> Result<Tensor, WorkerError> {
+    /// Runs the step and returns f32 logits `[logit_rows, vocab]`, row-major.
+    pub fn forward(&self, step: &HostStepInputs<'_>, cache: &mut HostKvCache) -> Result<Vec<f32>, WorkerError> {
         self.pool.install(|| self.forward_in_pool(step, cache))
     }
 
-    fn forward_in_pool(&self, step: &HostStepInputs<'_>, cache: &mut HostKvCache) -> Result<Tensor, WorkerError> {
+    /// Runs `work` on the kernels' threads (its parallel loops use them rather than rayon's
+    /// global pool).
+    pub fn in_pool<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(work)
+    }
+
+    fn forward_in_pool(&self, step: &HostStepInputs<'_>, cache: &mut HostKvCache) -> Result<Vec<f32>, WorkerError> {
         let config = &self.config;
         let (hidden_size, kv_dim) = (config.hidden_size, config.kv_dim());
         let q_dim = config.num_heads * config.head_dim;
@@ -358,7 +364,7 @@ impl CpuModel {
         let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.token_embedding);
         let mut logits = vec![0.0; rows * config.vocab_size];
         head.matmul(&normed, rows, &mut logits)?;
-        Ok(Tensor::f_from_slice(&logits)?.f_view([rows as i64, config.vocab_size as i64])?)
+        Ok(logits)
     }
 
     /// What each token attends to: its sequence's block table and its position + 1 keys.

@@ -11,7 +11,8 @@
 //! - [`kv_cache`]: the paged KV cache tensors and their sizing from a memory budget.
 //! - [`attention`]: per-step attention metadata and paged attention.
 //! - [`step_view`]: the only `unsafe`: step-buffer arrays wrapped as tensors without a copy.
-//! - [`sampler`]: choosing each sequence's next token.
+//! - [`sampler`]: choosing each sequence's next token; [`greedy`]: greedy steps of the CPU
+//!   kernels, without libtorch.
 //! - [`service`]: the IPC loop that ties them together.
 
 pub mod attach;
@@ -22,6 +23,7 @@ pub mod cuda_graph;
 pub mod decode_graphs;
 pub mod device;
 pub mod error;
+pub mod greedy;
 pub mod half_gemv;
 pub mod hf_folder;
 pub mod kv_cache;

@@ -17,6 +17,7 @@ use crate::cpu_model::{CpuModel, CpuWeights, HostStepInputs};
 use crate::decode_graphs::{self, DecodeGraphs};
 use crate::device::{compute_kind, describe, select_device};
 use crate::error::{panic_message, WorkerError};
+use crate::greedy::sample_greedy;
 use crate::hf_folder;
 use crate::kv_cache::{HostKvCache, KvCache};
 use crate::memory::KvBudget;
@@ -206,7 +207,7 @@ impl Worker {
                 context_len: first + count,
             }];
             let positions: Vec<i64> = (first..first + count).collect();
-            let logits = match &mut self.engine {
+            match &mut self.engine {
                 Engine::Kernels { model, kv_cache } => {
                     let step = HostStepInputs {
                         input_ids: &vec![0; count as usize],
@@ -217,7 +218,9 @@ impl Worker {
                         max_blocks: 1,
                         logit_rows: &[count - 1],
                     };
-                    model.forward(&step, kv_cache)?
+                    let logits = model.forward(&step, kv_cache)?;
+                    let vocab = model.config.vocab_size;
+                    model.in_pool(|| sample_greedy(&logits, vocab, 0));
                 }
                 Engine::Torch { model, kv_cache, .. } => {
                     let device = model.device;
@@ -240,10 +243,9 @@ impl Worker {
                         attention: &plan,
                         logit_rows: &rows,
                     };
-                    model.forward(&inputs, kv_cache)
+                    let _ = model.forward(&inputs, kv_cache).argmax(-1, false);
                 }
-            };
-            let _ = logits.argmax(-1, false);
+            }
         }
         Ok(())
     }
@@ -293,7 +295,23 @@ impl Worker {
             logit_rows: &logit_rows,
         };
         let (logits, device) = match &mut self.engine {
-            Engine::Kernels { model, kv_cache } => (model.forward(&inputs, kv_cache)?, Device::Cpu),
+            Engine::Kernels { model, kv_cache } => {
+                let logits = model.forward(&inputs, kv_cache)?;
+                if host.sampled_seqs.is_empty() {
+                    return Ok(());
+                }
+                let vocab = model.config.vocab_size;
+                let rows = step::sampled_rows(buffer, &host);
+                // Greedy rows with no penalty history: argmax and logprobs straight from the
+                // logits ([`crate::greedy`]); anything else through libtorch's sampler.
+                if host.history_len == 0 && !rows.iter().any(|row| row.temperature > 0.0) {
+                    let top = rows.iter().map(|row| row.num_top_logprobs).max().unwrap_or(0) as usize;
+                    let greedy = model.in_pool(|| sample_greedy(&logits, vocab, top));
+                    return step::write_outputs(&mut view, &host, &greedy.into_sampled()?);
+                }
+                let shape = [(logits.len() / vocab) as i64, vocab as i64];
+                (Tensor::f_from_slice(&logits)?.f_view(shape)?, Device::Cpu)
+            }
             Engine::Torch {
                 model,
                 kv_cache,

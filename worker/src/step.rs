@@ -132,6 +132,12 @@ pub fn validate(buffer: &StepBuffer, header: &StepHeader, limits: StepLimits) ->
     Ok(host)
 }
 
+/// The sampled sequences' rows of the `sampling` array, in [`HostStep::sampled_seqs`] order.
+pub fn sampled_rows(buffer: &StepBuffer, host: &HostStep) -> Vec<SeqSampling> {
+    let all_rows = buffer.array(buffer.layout().sampling);
+    host.sampled_seqs.iter().map(|&i| all_rows[i as usize]).collect()
+}
+
 /// The sampled sequences' parameters (from their rows of the `sampling` array) and penalty
 /// histories, on `device`.
 pub fn sampling_batch(
@@ -141,8 +147,7 @@ pub fn sampling_batch(
     device: Device,
 ) -> Result<SamplingBatch, WorkerError> {
     let layout = buffer.layout();
-    let all_rows = buffer.array(layout.sampling);
-    let rows: Vec<SeqSampling> = host.sampled_seqs.iter().map(|&i| all_rows[i as usize]).collect();
+    let rows = sampled_rows(buffer, host);
 
     let history_start = buffer.array(layout.history_start);
     let history_prompt = buffer.array(layout.history_prompt_len);

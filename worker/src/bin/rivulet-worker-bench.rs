@@ -15,6 +15,7 @@ use rivulet_gguf::GgufFile;
 use rivulet_worker::attention::{AttentionPlan, SeqSlice};
 use rivulet_worker::config::ModelConfig;
 use rivulet_worker::cpu_model::{CpuModel, CpuWeights, HostStepInputs};
+use rivulet_worker::greedy::sample_greedy;
 use rivulet_worker::kv_cache::{HostKvCache, KvCache};
 use rivulet_worker::model::{ForwardInputs, LlamaModel};
 use rivulet_worker::weights::ModelWeights;
@@ -251,7 +252,8 @@ impl KernelsBench {
             logit_rows: &rows,
         };
         let logits = self.model.forward(&step, &mut self.cache).expect("a well-formed step");
-        let _ = logits.argmax(-1, false);
+        let vocab = self.model.config.vocab_size;
+        self.model.in_pool(|| sample_greedy(&logits, vocab, 0));
     }
 }
 
