@@ -24,32 +24,42 @@ pub struct GreedyRows {
     pub top_values: Vec<f32>,
 }
 
+/// One row's choice and its alternatives `(token, logprob)`.
+struct RowChoice {
+    token: usize,
+    logprob: f32,
+    alternatives: Vec<(usize, f32)>,
+}
+
 /// The greedy choice of each `vocab`-wide row of `logits`, with `top` alternatives each (their
 /// log-probabilities, largest first). Runs on the current rayon pool.
 pub fn sample_greedy(logits: &[f32], vocab: usize, top: usize) -> GreedyRows {
-    let per_row: Vec<(i64, f32, Vec<(usize, f32)>)> = logits
+    let choices: Vec<RowChoice> = logits
         .par_chunks_exact(vocab)
         .map(|row| {
             let summary = summarize_row(row);
             let mut alternatives = Vec::with_capacity(top);
             top_entries(row, top, &mut alternatives);
-            let logprob = row[summary.argmax] - summary.log_normalizer;
             for (_, value) in &mut alternatives {
                 *value -= summary.log_normalizer;
             }
-            (summary.argmax as i64, logprob, alternatives)
+            RowChoice {
+                token: summary.argmax,
+                logprob: row[summary.argmax] - summary.log_normalizer,
+                alternatives,
+            }
         })
         .collect();
     let mut rows = GreedyRows {
         top,
         ..GreedyRows::default()
     };
-    for (token, logprob, alternatives) in per_row {
-        rows.tokens.push(token);
-        rows.logprobs.push(logprob);
-        // A vocabulary smaller than `top` leaves the rest (0, −∞).
+    for choice in choices {
+        rows.tokens.push(choice.token as i64);
+        rows.logprobs.push(choice.logprob);
         for i in 0..top {
-            let (id, value) = alternatives.get(i).copied().unwrap_or((0, f32::NEG_INFINITY));
+            // A vocabulary smaller than `top` leaves the rest (0, −∞).
+            let (id, value) = choice.alternatives.get(i).copied().unwrap_or((0, f32::NEG_INFINITY));
             rows.top_ids.push(id as i64);
             rows.top_values.push(value);
         }
