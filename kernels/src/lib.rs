@@ -9,10 +9,13 @@
 //! - `simd` (and its children in `simd/`): the crate's only `unsafe` — AMX, AVX-512 and
 //!   AVX2/FMA/F16C paths chosen at run time, with a portable fallback for every one of them.
 //!
-//! Parallel work runs on the current rayon pool, whose threads sleep when there is none; its
-//! threads should call [`flush_subnormals_on_this_thread`] when they start (the worker's do).
+//! Parallel work runs on the current rayon pool, whose threads sleep when there is none; a step
+//! run through [`awake::install_awake`] keeps them awake between its parallel regions. The
+//! pool's threads should call [`flush_subnormals_on_this_thread`] when they start (the worker's
+//! do).
 
 pub mod attention;
+pub mod awake;
 pub mod logits;
 pub mod matrix;
 pub mod ops;

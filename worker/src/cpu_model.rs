@@ -10,6 +10,7 @@
 
 use rivulet_gguf::GgufFile;
 use rivulet_kernels::attention::{paged_attention, AttentionShape, TokenKeys};
+use rivulet_kernels::awake::install_awake;
 use rivulet_kernels::ops::{add_assign, rms_norm, silu_mul, RopeTable};
 use rivulet_kernels::{Isa, WeightMatrix};
 use tch::Tensor;
@@ -234,9 +235,9 @@ pub struct CpuModel {
     pub config: ModelConfig,
     weights: CpuWeights,
     rope: RopeTable,
-    /// The kernels' threads. A step runs inside the pool, so the kernels' parallel loops start
-    /// on threads that are already awake rather than handing each projection to a sleeping one;
-    /// between steps the threads sleep.
+    /// The kernels' threads. A step runs inside the pool with its other threads kept awake
+    /// ([`install_awake`]), so the kernels' parallel loops start on threads that are already
+    /// running rather than handing each projection to a sleeping one; between steps they sleep.
     pool: rayon::ThreadPool,
 }
 
@@ -279,9 +280,10 @@ impl CpuModel {
         &self.weights
     }
 
-    /// Runs the step and returns f32 logits `[logit_rows, vocab]`, row-major.
+    /// Runs the step and returns f32 logits `[logit_rows, vocab]`, row-major. The pool's
+    /// threads stay awake from the first layer to the last ([`install_awake`]).
     pub fn forward(&self, step: &HostStepInputs<'_>, cache: &mut HostKvCache) -> Result<Vec<f32>, WorkerError> {
-        self.pool.install(|| self.forward_in_pool(step, cache))
+        install_awake(&self.pool, || self.forward_in_pool(step, cache))
     }
 
     /// Runs `work` on the kernels' threads (its parallel loops use them rather than rayon's
