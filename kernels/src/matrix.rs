@@ -211,6 +211,7 @@ impl WeightMatrix {
 
     /// `x · selfᵀ` into columns `first_column..first_column + rows` of `out`, a `[batch,
     /// out_width]` matrix (so projections stored apart fill one fused output).
+    /// Every element of those columns is stored (never accumulated into), whatever `out` held.
     pub fn matmul_into_columns(
         &self,
         isa: Isa,

@@ -3,16 +3,43 @@
 
 use rayon::prelude::*;
 
+/// Rows a parallel task of the row-wise passes takes at least: a row of a small model's hidden
+/// state is ~1 µs of work, so fewer rows would cost more in hand-offs than they save.
+const ROWS_PER_TASK: usize = 8;
+
 /// RMSNorm of each `width`-value row of `x` into `out`: `x / sqrt(mean(x²) + eps) · weight`, in
-/// f32 as Hugging Face's `LlamaRMSNorm`.
+/// f32 as Hugging Face's `LlamaRMSNorm`. Rows run in parallel.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let width = weight.len();
-    for (row, dst) in x.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
-        let mean_square = crate::dot(row, row) / width as f32;
-        let scale = 1.0 / (mean_square + eps).sqrt();
-        for ((o, v), w) in dst.iter_mut().zip(row).zip(weight) {
-            *o = v * scale * w;
-        }
+    out.par_chunks_exact_mut(width)
+        .zip(x.par_chunks_exact(width))
+        .with_min_len(ROWS_PER_TASK)
+        .for_each(|(dst, row)| norm_row(row, weight, eps, dst));
+}
+
+/// `hidden += residual`, then [`rms_norm`] of the sum into `out`: the residual stream's update
+/// after a projection and the next norm, one pass over each row, rows in parallel. Before, the
+/// two ran one after the other on the step's thread while the other cores waited.
+pub fn add_rms_norm(hidden: &mut [f32], residual: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let width = weight.len();
+    hidden
+        .par_chunks_exact_mut(width)
+        .zip(residual.par_chunks_exact(width))
+        .zip(out.par_chunks_exact_mut(width))
+        .with_min_len(ROWS_PER_TASK)
+        .for_each(|((row, added), dst)| {
+            for (h, r) in row.iter_mut().zip(added) {
+                *h += r;
+            }
+            norm_row(row, weight, eps, dst);
+        });
+}
+
+fn norm_row(row: &[f32], weight: &[f32], eps: f32, dst: &mut [f32]) {
+    let mean_square = crate::dot(row, row) / weight.len() as f32;
+    let scale = 1.0 / (mean_square + eps).sqrt();
+    for ((o, v), w) in dst.iter_mut().zip(row).zip(weight) {
+        *o = v * scale * w;
     }
 }
 
@@ -60,6 +87,27 @@ impl RopeTable {
     }
 }
 
+/// Rotates the query and key heads of each row of a step's `[q | k | v]` projection
+/// (`row_width` values a row: `q_width` of queries, then `k_width` of keys) for its position,
+/// rows in parallel. Every position must be below [`RopeTable::max_positions`].
+pub fn rotate_queries_and_keys(
+    table: &RopeTable,
+    qkv: &mut [f32],
+    row_width: usize,
+    q_width: usize,
+    k_width: usize,
+    positions: &[i64],
+) {
+    qkv.par_chunks_exact_mut(row_width)
+        .zip(positions.par_iter())
+        .with_min_len(ROWS_PER_TASK)
+        .for_each(|(row, &position)| {
+            let (q, rest) = row.split_at_mut(q_width);
+            table.rotate(q, position as usize);
+            table.rotate(&mut rest[..k_width], position as usize);
+        });
+}
+
 /// SwiGLU's `silu(gate) · up` for each row of `gate_up` (`[gate | up]`, `2 · width` values) into
 /// `out` (`width` values per row). Rows run in parallel: the exponentials dominate.
 pub fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
@@ -75,13 +123,6 @@ pub fn silu_mul(gate_up: &[f32], width: usize, out: &mut [f32]) {
                 *o = g / (1.0 + *o) * u;
             }
         });
-}
-
-/// `acc += x`, element-wise.
-pub fn add_assign(acc: &mut [f32], x: &[f32]) {
-    for (a, v) in acc.iter_mut().zip(x) {
-        *a += v;
-    }
 }
 
 #[cfg(test)]
@@ -101,6 +142,50 @@ mod tests {
                 assert!((dst[i] as f64 - expected).abs() < 1e-5, "{} vs {expected}", dst[i]);
             }
         }
+    }
+
+    /// Rows of a hidden state with values across signs and magnitudes.
+    fn rows(count: usize, width: usize, seed: f32) -> Vec<f32> {
+        (0..count * width)
+            .map(|i| (i as f32 * 0.37 + seed).sin() * 3.0)
+            .collect()
+    }
+
+    #[test]
+    fn add_rms_norm_is_the_add_then_the_norm_on_every_row() {
+        let width = 24;
+        let weight: Vec<f32> = (0..width).map(|i| 0.5 + 0.1 * i as f32).collect();
+        // 21 rows: several parallel tasks and a short last one.
+        let mut hidden = rows(21, width, 0.0);
+        let residual = rows(21, width, 1.0);
+        let mut expected_hidden = hidden.clone();
+        for (h, r) in expected_hidden.iter_mut().zip(&residual) {
+            *h += r;
+        }
+        let mut expected = vec![0f32; hidden.len()];
+        for (row, dst) in expected_hidden.chunks(width).zip(expected.chunks_mut(width)) {
+            norm_row(row, &weight, 1e-5, dst);
+        }
+        let mut out = vec![f32::NAN; hidden.len()];
+        add_rms_norm(&mut hidden, &residual, &weight, 1e-5, &mut out);
+        assert_eq!(hidden, expected_hidden);
+        assert_eq!(out, expected);
+    }
+
+    #[test]
+    fn queries_and_keys_rotate_by_their_rows_position_and_values_stay() {
+        let table = RopeTable::new(4, 10_000.0, 64);
+        // Each row: two query heads, one key head, one value head of 4 values.
+        let (q_width, k_width, row_width) = (8, 4, 16);
+        let positions: Vec<i64> = (0..19).map(|i| (i * 3) % 64).collect();
+        let mut qkv = rows(positions.len(), row_width, 2.0);
+        let mut expected = qkv.clone();
+        for (row, &position) in expected.chunks_mut(row_width).zip(&positions) {
+            table.rotate(&mut row[..q_width], position as usize);
+            table.rotate(&mut row[q_width..q_width + k_width], position as usize);
+        }
+        rotate_queries_and_keys(&table, &mut qkv, row_width, q_width, k_width, &positions);
+        assert_eq!(qkv, expected);
     }
 
     #[test]

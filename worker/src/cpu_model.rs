@@ -11,7 +11,7 @@
 use rivulet_gguf::GgufFile;
 use rivulet_kernels::attention::{paged_attention, AttentionShape, TokenKeys};
 use rivulet_kernels::awake::install_awake;
-use rivulet_kernels::ops::{add_assign, rms_norm, silu_mul, RopeTable};
+use rivulet_kernels::ops::{add_rms_norm, rms_norm, rotate_queries_and_keys, silu_mul, RopeTable};
 use rivulet_kernels::{Isa, WeightMatrix};
 use tch::Tensor;
 
@@ -41,7 +41,8 @@ impl Projection {
 
     /// `out = x · Wᵀ`, `x` `[batch, cols]`, `out` `[batch, rows]`.
     fn apply(&self, x: &[f32], batch: usize, out: &mut Vec<f32>) -> Result<(), WorkerError> {
-        out.clear();
+        // Every part stores each of its columns for every row, so a buffer already of this
+        // length (the same projection's, a layer earlier) is overwritten without zeroing it.
         out.resize(batch * self.rows, 0.0);
         let mut column = 0;
         for part in &self.parts {
@@ -322,15 +323,16 @@ impl CpuModel {
         act.normed.resize(tokens * hidden_size, 0.0);
         act.attended.resize(tokens * q_dim, 0.0);
         act.activated.resize(tokens * config.intermediate_size, 0.0);
-        for (layer, kv) in self.weights.layers.iter().zip(&mut cache.layers) {
-            rms_norm(&act.hidden, &layer.attn_norm, eps, &mut act.normed);
+        let layers = &self.weights.layers;
+        if let Some(first) = layers.first() {
+            rms_norm(&act.hidden, &first.attn_norm, eps, &mut act.normed);
+        }
+        for (index, (layer, kv)) in layers.iter().zip(&mut cache.layers).enumerate() {
+            // `act.normed` holds this layer's attention norm of the residual stream.
             layer.qkv.apply(&act.normed, tokens, &mut act.qkv)?;
-            for (t, row) in act.qkv.chunks_exact_mut(qkv_width).enumerate() {
-                let (q, rest) = row.split_at_mut(q_dim);
-                let (k, v) = rest.split_at_mut(kv_dim);
-                let position = step.positions[t] as usize;
-                self.rope.rotate(q, position);
-                self.rope.rotate(k, position);
+            rotate_queries_and_keys(&self.rope, &mut act.qkv, qkv_width, q_dim, kv_dim, step.positions);
+            for (t, row) in act.qkv.chunks_exact(qkv_width).enumerate() {
+                let (k, v) = row[q_dim..].split_at(kv_dim);
                 let slot = step.slot_mapping[t] as usize;
                 kv.keys[slot * kv_dim..(slot + 1) * kv_dim].copy_from_slice(k);
                 kv.values[slot * kv_dim..(slot + 1) * kv_dim].copy_from_slice(v);
@@ -345,21 +347,32 @@ impl CpuModel {
                 &mut act.attended,
             );
             layer.o.apply(&act.attended, tokens, &mut act.projected)?;
-            add_assign(&mut act.hidden, &act.projected);
-
-            rms_norm(&act.hidden, &layer.ffn_norm, eps, &mut act.normed);
+            add_rms_norm(&mut act.hidden, &act.projected, &layer.ffn_norm, eps, &mut act.normed);
             layer.gate_up.apply(&act.normed, tokens, &mut act.gate_up)?;
             silu_mul(&act.gate_up, config.intermediate_size, &mut act.activated);
             layer.down.apply(&act.activated, tokens, &mut act.projected)?;
-            add_assign(&mut act.hidden, &act.projected);
+            // The next layer's attention norm joins this layer's residual add; after the last
+            // layer only the sampled rows are summed (below).
+            if let Some(next) = layers.get(index + 1) {
+                add_rms_norm(&mut act.hidden, &act.projected, &next.attn_norm, eps, &mut act.normed);
+            }
         }
 
         // Only the sampled rows need the (vocabulary-sized) output head.
         let rows = step.logit_rows.len();
         let mut last = Vec::with_capacity(rows * hidden_size);
         for &row in step.logit_rows {
-            let row = row as usize;
-            last.extend_from_slice(&act.hidden[row * hidden_size..(row + 1) * hidden_size]);
+            let span = row as usize * hidden_size..(row as usize + 1) * hidden_size;
+            if layers.is_empty() {
+                last.extend_from_slice(&act.hidden[span]);
+            } else {
+                last.extend(
+                    act.hidden[span.clone()]
+                        .iter()
+                        .zip(&act.projected[span])
+                        .map(|(h, p)| h + p),
+                );
+            }
         }
         let mut normed = vec![0.0; rows * hidden_size];
         rms_norm(&last, &self.weights.output_norm, eps, &mut normed);
