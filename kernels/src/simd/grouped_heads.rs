@@ -175,9 +175,15 @@ unsafe fn weighted_rows_avx2<const G: usize, const CV: usize>(
     }
 }
 
-/// Key rows ahead of the one being scored whose key and value rows [`score_keys`] fetches: a
-/// row is scored in a few nanoseconds, and a row missing from the caches takes ~100 to arrive.
+/// Key rows ahead of the one being scored whose key and value rows [`score_keys`] fetches into
+/// L1: a row is scored in a few nanoseconds, and a row missing from the caches takes ~100 to
+/// arrive.
 const PREFETCH_ROWS_AHEAD: usize = 16;
+
+/// Key rows ahead whose key and value rows the AVX-512 [`score_keys`] asks into L2 first, so
+/// that the L1 fetch above finds them there: rows from memory need more time than 16 rows'
+/// scoring, and 64 rows of keys and values fetched into L1 (32 KiB) would fill it.
+const PREFETCH_L2_ROWS_AHEAD: usize = 64;
 
 /// `scores[t][g] = scale · q_g · keys[offsets[t]..][..dim]` for every key row `t` and query head
 /// `g` of a group (`queries` is `[group][dim]`, `scores` `[offsets.len()][group]`), each key row
@@ -250,7 +256,22 @@ unsafe fn score_keys_avx512<const G: usize>(
 ) -> bool {
     // SAFETY (whole body): see `score_keys`.
     unsafe {
+        // The first rows are asked into L2 all at once (from memory they arrive in parallel),
+        // then each row `PREFETCH_L2_ROWS_AHEAD` ahead of its use into L2 and
+        // `PREFETCH_ROWS_AHEAD` ahead into L1.
+        for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
+            for line in (0..dim).step_by(16) {
+                _mm_prefetch::<_MM_HINT_T1>(keys.add(ahead + line).cast());
+                _mm_prefetch::<_MM_HINT_T1>(values.add(ahead + line).cast());
+            }
+        }
         for (t, &at) in offsets.iter().enumerate() {
+            if let Some(&ahead) = offsets.get(t + PREFETCH_L2_ROWS_AHEAD) {
+                for line in (0..dim).step_by(16) {
+                    _mm_prefetch::<_MM_HINT_T1>(keys.add(ahead + line).cast());
+                    _mm_prefetch::<_MM_HINT_T1>(values.add(ahead + line).cast());
+                }
+            }
             if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
                 for line in (0..dim).step_by(16) {
                     _mm_prefetch::<_MM_HINT_T0>(keys.add(ahead + line).cast());
