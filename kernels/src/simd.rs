@@ -421,13 +421,22 @@ unsafe fn hsum(v: __m256) -> f32 {
 /// program can observe).
 pub fn prefetch<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        let start = data.as_ptr().cast::<u8>();
-        for offset in (0..std::mem::size_of_val(data)).step_by(64) {
-            // SAFETY: `offset` lies inside the live slice `data`, and a prefetch neither faults
-            // nor writes.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.add(offset).cast()) };
-        }
+    prefetch_lines::<_MM_HINT_T0, T>(data);
+}
+
+/// Asks for every cache line of `data` to be brought into L2 (and not L1), as [`prefetch`].
+pub fn prefetch_l2<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    prefetch_lines::<_MM_HINT_T1, T>(data);
+}
+
+#[cfg(target_arch = "x86_64")]
+fn prefetch_lines<const HINT: i32, T>(data: &[T]) {
+    let start = data.as_ptr().cast::<u8>();
+    for offset in (0..std::mem::size_of_val(data)).step_by(64) {
+        // SAFETY: `offset` lies inside the live slice `data`, and a prefetch neither faults nor
+        // writes.
+        unsafe { _mm_prefetch::<HINT>(start.add(offset).cast()) };
     }
 }
 

@@ -180,7 +180,7 @@ unsafe fn weighted_rows_avx2<const G: usize, const CV: usize>(
 /// arrive.
 const PREFETCH_ROWS_AHEAD: usize = 16;
 
-/// Key rows ahead whose key and value rows the AVX-512 [`score_keys`] asks into L2 first, so
+/// Key rows ahead whose key and value rows [`score_keys`] asks into L2 first, so
 /// that the L1 fetch above finds them there: rows from memory need more time than 16 rows'
 /// scoring, and 64 rows of keys and values fetched into L1 (32 KiB) would fill it.
 const PREFETCH_L2_ROWS_AHEAD: usize = 64;
@@ -232,7 +232,15 @@ pub fn score_keys(
             return;
         }
     }
+    for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
+        super::prefetch_l2(&keys[ahead..ahead + dim]);
+        super::prefetch_l2(&values[ahead..ahead + dim]);
+    }
     for (index, (row, &at)) in scores.chunks_exact_mut(group.max(1)).zip(offsets).enumerate() {
+        if let Some(&ahead) = offsets.get(index + PREFETCH_L2_ROWS_AHEAD) {
+            super::prefetch_l2(&keys[ahead..ahead + dim]);
+            super::prefetch_l2(&values[ahead..ahead + dim]);
+        }
         if let Some(&ahead) = offsets.get(index + PREFETCH_ROWS_AHEAD) {
             super::prefetch(&keys[ahead..ahead + dim]);
             super::prefetch(&values[ahead..ahead + dim]);
