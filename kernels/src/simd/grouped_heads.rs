@@ -268,23 +268,14 @@ unsafe fn score_keys_avx512<const G: usize>(
         // then each row `PREFETCH_L2_ROWS_AHEAD` ahead of its use into L2 and
         // `PREFETCH_ROWS_AHEAD` ahead into L1.
         for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
-            for line in (0..dim).step_by(16) {
-                _mm_prefetch::<_MM_HINT_T1>(keys.add(ahead + line).cast());
-                _mm_prefetch::<_MM_HINT_T1>(values.add(ahead + line).cast());
-            }
+            prefetch_rows::<_MM_HINT_T1>(keys, values, ahead, dim);
         }
         for (t, &at) in offsets.iter().enumerate() {
             if let Some(&ahead) = offsets.get(t + PREFETCH_L2_ROWS_AHEAD) {
-                for line in (0..dim).step_by(16) {
-                    _mm_prefetch::<_MM_HINT_T1>(keys.add(ahead + line).cast());
-                    _mm_prefetch::<_MM_HINT_T1>(values.add(ahead + line).cast());
-                }
+                prefetch_rows::<_MM_HINT_T1>(keys, values, ahead, dim);
             }
             if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
-                for line in (0..dim).step_by(16) {
-                    _mm_prefetch::<_MM_HINT_T0>(keys.add(ahead + line).cast());
-                    _mm_prefetch::<_MM_HINT_T0>(values.add(ahead + line).cast());
-                }
+                prefetch_rows::<_MM_HINT_T0>(keys, values, ahead, dim);
             }
             let row = keys.add(at);
             let mut acc = [_mm512_setzero_ps(); G];
@@ -299,6 +290,23 @@ unsafe fn score_keys_avx512<const G: usize>(
             }
         }
         true
+    }
+}
+
+/// Asks for the key and the value row at `at` (`dim` values each) with the prefetch hint `HINT`.
+///
+/// # Safety
+/// Both rows lie inside their caches' allocations (a prefetch never faults, but the address
+/// arithmetic must stay in bounds).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_rows<const HINT: i32>(keys: *const f32, values: *const f32, at: usize, dim: usize) {
+    // SAFETY (whole body): see above.
+    unsafe {
+        for line in (0..dim).step_by(16) {
+            _mm_prefetch::<HINT>(keys.add(at + line).cast());
+            _mm_prefetch::<HINT>(values.add(at + line).cast());
+        }
     }
 }
 
