@@ -25,7 +25,7 @@ use rivulet_text::tokenizer::ModelTokenizer;
 use serde::Serialize;
 
 use crate::arrivals::{arrival_offsets, RequestRate};
-use crate::backend::{Backend, OpenAiBackend, RivuletBackend};
+use crate::backend::{Backend, OpenAiBackend, RequestSettings, RivuletBackend};
 use crate::dataset::{BenchRequest, RandomSpec, SharedPrefixSpec};
 use crate::metrics::Summary;
 use crate::runner::RunOptions;
@@ -116,6 +116,16 @@ struct RunArgs {
     /// Ask the server to ignore EOS, so every request generates exactly its output length.
     #[arg(long)]
     ignore_eos: bool,
+    /// Sampling temperature of every request (0: greedy, the default here; OpenAI clients and
+    /// Rivulet's own API default to 1).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling's probability mass (unset: the server's default).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Keep the k most likely tokens (unset: the server's default).
+    #[arg(long)]
+    top_k: Option<i32>,
     /// Append the run's figures as one JSON line to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -168,7 +178,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let options = RunOptions {
         arrivals: arrival_offsets(args.request_rate, requests.len(), args.seed),
         max_concurrency: args.max_concurrency,
-        ignore_eos: args.ignore_eos,
+        settings: RequestSettings {
+            ignore_eos: args.ignore_eos,
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: args.top_k,
+        },
         show_progress: !args.no_progress,
     };
     let (outcomes, duration) = runner::run(&backend, &requests, &options).await;

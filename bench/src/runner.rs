@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio::sync::Semaphore;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, RequestSettings};
 use crate::dataset::BenchRequest;
 use crate::metrics::RequestOutcome;
 
@@ -14,7 +14,7 @@ pub struct RunOptions {
     pub arrivals: Vec<Duration>,
     /// `None`: no limit beyond the arrival schedule.
     pub max_concurrency: Option<usize>,
-    pub ignore_eos: bool,
+    pub settings: RequestSettings,
     pub show_progress: bool,
 }
 
@@ -46,9 +46,9 @@ pub async fn run(
             Err(_) => break,
         };
         let (backend, request, progress) = (backend.clone(), request.clone(), progress.clone());
-        let ignore_eos = options.ignore_eos;
+        let settings = options.settings;
         tasks.push(tokio::spawn(async move {
-            let outcome = backend.send(&request, ignore_eos).await;
+            let outcome = backend.send(&request, settings).await;
             drop(permit);
             progress.inc(1);
             outcome

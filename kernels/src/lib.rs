@@ -4,6 +4,7 @@
 //!   f32) and `x · Wᵀ` for f32 activations, decoded tile by tile into L1.
 //! - [`ops`]: RMSNorm, interleaved rotary embedding, SiLU·mul — row by row, no temporaries.
 //! - [`logits`]: a greedy step's reading of its logits (argmax, log-normalizer, alternatives).
+//! - [`sampling`]: a row's penalties and its draw under temperature, top-k, top-p and min-p.
 //! - [`attention`]: attention for every token of a step straight over the paged KV cache (block
 //!   tables are followed, never gathered), grouped-query heads sharing each key read.
 //! - `simd` (and its children in `simd/`): the crate's only `unsafe` — AMX, AVX-512 and
@@ -19,6 +20,7 @@ pub mod awake;
 pub mod logits;
 pub mod matrix;
 pub mod ops;
+pub mod sampling;
 mod simd;
 
 pub use matrix::{Isa, WeightMatrix};

@@ -33,8 +33,14 @@ pub fn summarize_row(row: &[f32]) -> RowSummary {
     RowSummary { argmax, log_normalizer }
 }
 
+/// The first index holding the row's largest value (NaN ignored; 0 for an all-NaN row).
+pub fn argmax(row: &[f32]) -> usize {
+    let max = row_max(row);
+    row.iter().position(|&v| v == max).unwrap_or(0)
+}
+
 /// The largest value, over 16 lanes that the compiler keeps in vector registers (NaN ignored).
-fn row_max(row: &[f32]) -> f32 {
+pub(crate) fn row_max(row: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; 16];
     let mut chunks = row.chunks_exact(16);
     for chunk in &mut chunks {

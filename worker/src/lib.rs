@@ -11,8 +11,8 @@
 //! - [`kv_cache`]: the paged KV cache tensors and their sizing from a memory budget.
 //! - [`attention`]: per-step attention metadata and paged attention.
 //! - [`step_view`]: the only `unsafe`: step-buffer arrays wrapped as tensors without a copy.
-//! - [`sampler`]: choosing each sequence's next token; [`greedy`]: greedy steps of the CPU
-//!   kernels, without libtorch.
+//! - [`sampler`]: choosing each sequence's next token with libtorch; [`kernel_sampling`]: the
+//!   same for the CPU kernels' steps, without libtorch.
 //! - [`service`]: the IPC loop that ties them together.
 
 pub mod attach;
@@ -23,9 +23,9 @@ pub mod cuda_graph;
 pub mod decode_graphs;
 pub mod device;
 pub mod error;
-pub mod greedy;
 pub mod half_gemv;
 pub mod hf_folder;
+pub mod kernel_sampling;
 pub mod kv_cache;
 pub mod malloc_tuning;
 pub mod memory;

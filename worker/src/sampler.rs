@@ -1,13 +1,20 @@
-//! Choosing each sampled sequence's next token from its logits, for the whole step in one
-//! batched pass (no per-sequence loops over tensors).
+//! Choosing each sampled sequence's next token from its logits with libtorch, for the whole
+//! step in one batched pass (no per-sequence loops over tensors): the CUDA engine's and the
+//! libtorch CPU engine's sampler. The CPU kernels' steps sample row by row in Rust
+//! ([`crate::kernel_sampling`], over [`rivulet_kernels::sampling`]) with the same semantics,
+//! which this module's tests hold them to.
 //!
 //! Order, as in vLLM: repetition / frequency / presence penalties on the logits; then greedy rows
-//! (temperature 0) take the argmax, the others divide by their temperature, mask by top-k, top-p
-//! and min-p, and draw with the Gumbel-max trick. The Gumbel noise comes from a counter-based
-//! generator keyed by (seed, draw index, token id), so a seeded sequence draws the same numbers
-//! whatever else shares its batch, and after a preemption too. Logprobs are those of the model's
-//! own distribution (log-softmax of the raw logits).
+//! (temperature 0) take the argmax, the others divide by their temperature, keep their top-k,
+//! then top-p of what top-k kept (renormalized), then min-p, and draw by inverse CDF in token-id
+//! order with one uniform number per row that is a pure function of (seed, draw index)
+//! ([`rivulet_kernels::sampling::seeded_uniform`], computed on the host), so a seeded sequence
+//! draws the same token whatever else shares its batch, and after a preemption. Logprobs are
+//! those of the model's own distribution (log-softmax of the raw logits).
 
+use rivulet_ipc::SeqSampling;
+use rivulet_kernels::sampling::seeded_uniform;
+use tch::kind::Element;
 use tch::{Device, Kind, Tensor};
 
 /// Penalty histories: which tokens each row has seen.
@@ -29,8 +36,8 @@ pub struct SamplingBatch {
     pub repetition_penalty: Tensor,
     pub frequency_penalty: Tensor,
     pub presence_penalty: Tensor,
-    pub seed: Tensor,
-    pub draw_index: Tensor,
+    /// `[rows]` f64 in (0, 1): each row's uniform number for its draw.
+    pub uniform: Tensor,
     pub history: Option<PenaltyHistory>,
     /// Which optional stages any row needs (computed on the host, so unused ones cost nothing).
     pub any_random: bool,
@@ -39,6 +46,47 @@ pub struct SamplingBatch {
     pub any_min_p: bool,
     /// The most alternatives any row asked for.
     pub top_logprobs: i64,
+}
+
+impl SamplingBatch {
+    /// The batch of `rows` (each sampled sequence's parameters, in row order) with their penalty
+    /// histories, on `device`.
+    pub fn from_rows(
+        rows: &[SeqSampling],
+        history: Option<PenaltyHistory>,
+        device: Device,
+    ) -> Result<Self, tch::TchError> {
+        let uniform: Vec<f64> = rows
+            .iter()
+            .map(|row| seeded_uniform(row.seed, row.draw_index))
+            .collect();
+        Ok(Self {
+            any_random: rows.iter().any(|row| row.temperature > 0.0),
+            any_top_k: rows.iter().any(|row| row.top_k > 0),
+            any_top_p: rows.iter().any(|row| row.top_p < 1.0),
+            any_min_p: rows.iter().any(|row| row.min_p > 0.0),
+            top_logprobs: rows.iter().map(|row| row.num_top_logprobs).max().unwrap_or(0),
+            temperature: column(rows, |row| row.temperature, device)?,
+            top_k: column(rows, |row| row.top_k, device)?,
+            top_p: column(rows, |row| row.top_p, device)?,
+            min_p: column(rows, |row| row.min_p, device)?,
+            repetition_penalty: column(rows, |row| row.repetition_penalty, device)?,
+            frequency_penalty: column(rows, |row| row.frequency_penalty, device)?,
+            presence_penalty: column(rows, |row| row.presence_penalty, device)?,
+            uniform: Tensor::f_from_slice(&uniform)?.f_to_device(device)?,
+            history,
+        })
+    }
+}
+
+/// One parameter of every row, `[rows]` on `device`.
+fn column<T: Element>(
+    rows: &[SeqSampling],
+    field: impl Fn(&SeqSampling) -> T,
+    device: Device,
+) -> Result<Tensor, tch::TchError> {
+    let values: Vec<T> = rows.iter().map(field).collect();
+    Tensor::f_from_slice(&values)?.f_to_device(device)
 }
 
 pub struct Sampled {
@@ -104,9 +152,13 @@ fn apply_penalties(logits: &Tensor, history: &PenaltyHistory, batch: &SamplingBa
 fn draw(logits: &Tensor, batch: &SamplingBatch) -> Tensor {
     let (rows, vocab) = logits.size2().expect("logits are [rows, vocab]");
     let device = logits.device();
-    let mut scaled = logits / batch.temperature.clamp_min(1e-5).unsqueeze(1);
+    let scaled = logits / batch.temperature.clamp_min(1e-5).unsqueeze(1);
+    let (max, _) = scaled.max_dim(-1, true);
+    // Unnormalized probabilities: the most likely token's weight is 1.
+    let mut weights = (scaled - max).exp();
     if batch.any_top_k || batch.any_top_p {
-        let (sorted, order) = scaled.sort(-1, true);
+        // Stable: equal weights stay in token order, as the kernels' sampler orders them.
+        let (sorted, order) = weights.sort_stable(true, -1, true);
         let rank = Tensor::arange(vocab, (Kind::Int64, device)).unsqueeze(0);
         let mut drop_sorted = Tensor::zeros([rows, vocab], (Kind::Bool, device));
         if batch.any_top_k {
@@ -115,79 +167,57 @@ fn draw(logits: &Tensor, batch: &SamplingBatch) -> Tensor {
             drop_sorted = drop_sorted.logical_or(&rank.ge_tensor(&k.unsqueeze(1)));
         }
         if batch.any_top_p {
-            let probs = sorted.softmax(-1, Kind::Float);
-            // Mass before each token; the most likely token is always kept.
-            let before = probs.cumsum(-1, Kind::Float) - &probs;
-            drop_sorted = drop_sorted.logical_or(&before.gt_tensor(&batch.top_p.unsqueeze(1)));
+            // Over what top-k kept; the most likely token is always kept.
+            let kept = sorted.masked_fill(&drop_sorted, 0.0).to_kind(Kind::Double);
+            let total = kept.sum_dim_intlist(-1, true, Kind::Double);
+            let before = kept.cumsum(-1, Kind::Double) - &kept;
+            let limit = total * batch.top_p.to_kind(Kind::Double).unsqueeze(1);
+            drop_sorted = drop_sorted.logical_or(&before.gt_tensor(&limit));
         }
         let drop = Tensor::zeros([rows, vocab], (Kind::Bool, device)).scatter(1, &order, &drop_sorted);
-        scaled = scaled.masked_fill(&drop, f64::NEG_INFINITY);
+        weights = weights.masked_fill(&drop, 0.0);
     }
     if batch.any_min_p {
-        let probs = scaled.softmax(-1, Kind::Float);
-        let (max_prob, _) = probs.max_dim(-1, true);
-        scaled = scaled.masked_fill(
-            &probs.lt_tensor(&(max_prob * batch.min_p.unsqueeze(1))),
-            f64::NEG_INFINITY,
-        );
+        let (max_weight, _) = weights.max_dim(-1, true);
+        weights = weights.masked_fill(&weights.lt_tensor(&(max_weight * batch.min_p.unsqueeze(1))), 0.0);
     }
-    let uniform = seeded_uniform(&batch.seed, &batch.draw_index, vocab, device);
-    let gumbel = -(-uniform.log()).log();
-    (scaled.to_kind(Kind::Double) + gumbel).argmax(-1, false)
-}
-
-/// Uniform numbers in (0, 1), `[rows, vocab]` f64, a pure function of (seed, draw index, token):
-/// splitmix64 over a per-element counter, computed with wrapping i64 tensor arithmetic.
-pub fn seeded_uniform(seed: &Tensor, draw_index: &Tensor, vocab: i64, device: Device) -> Tensor {
-    const GOLDEN: i64 = 0x9E37_79B9_7F4A_7C15_u64 as i64;
-    const MIX1: i64 = 0xBF58_476D_1CE4_E5B9_u64 as i64;
-    const MIX2: i64 = 0x94D0_49BB_1331_11EB_u64 as i64;
-    let token = Tensor::arange(vocab, (Kind::Int64, device)).unsqueeze(0);
-    let counter = splitmix64(&(seed.unsqueeze(1) * MIX1 + draw_index.unsqueeze(1) * GOLDEN));
-    let z = splitmix64(&(counter + token * MIX2));
-    let mantissa = logical_shift_right(&z, 11);
-    (mantissa.to_kind(Kind::Double) + 0.5) * (1.0 / (1u64 << 53) as f64)
-}
-
-fn splitmix64(x: &Tensor) -> Tensor {
-    const GOLDEN: i64 = 0x9E37_79B9_7F4A_7C15_u64 as i64;
-    const MIX1: i64 = 0xBF58_476D_1CE4_E5B9_u64 as i64;
-    const MIX2: i64 = 0x94D0_49BB_1331_11EB_u64 as i64;
-    let z = x + GOLDEN;
-    let z = z.bitwise_xor_tensor(&logical_shift_right(&z, 30)) * MIX1;
-    let z = z.bitwise_xor_tensor(&logical_shift_right(&z, 27)) * MIX2;
-    z.bitwise_xor_tensor(&logical_shift_right(&z, 31))
-}
-
-/// `>>>` on i64 (torch's `>>` is arithmetic): shift, then clear the copied sign bits.
-fn logical_shift_right(x: &Tensor, bits: i64) -> Tensor {
-    x.bitwise_right_shift_tensor_scalar(bits)
-        .bitwise_and((1i64 << (64 - bits)) - 1)
+    // Inverse CDF: the first token whose cumulative weight exceeds u × total.
+    let cumulative = weights.cumsum(-1, Kind::Double);
+    let target = cumulative.narrow(1, vocab - 1, 1) * batch.uniform.unsqueeze(1);
+    cumulative
+        .le_tensor(&target)
+        .sum_dim_intlist(-1, false, Kind::Int64)
+        .clamp_max(vocab - 1)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn batch(rows: i64, temperature: f32, seed_base: i64) -> SamplingBatch {
-        let full = |v: f64, kind| Tensor::full([rows], v, (kind, Device::Cpu));
-        SamplingBatch {
-            temperature: full(f64::from(temperature), Kind::Float),
-            top_k: full(0.0, Kind::Int64),
-            top_p: full(1.0, Kind::Float),
-            min_p: full(0.0, Kind::Float),
-            repetition_penalty: full(1.0, Kind::Float),
-            frequency_penalty: full(0.0, Kind::Float),
-            presence_penalty: full(0.0, Kind::Float),
-            seed: Tensor::arange_start(seed_base, seed_base + rows, (Kind::Int64, Device::Cpu)),
-            draw_index: full(0.0, Kind::Int64),
-            history: None,
-            any_random: temperature > 0.0,
-            any_top_k: false,
-            any_top_p: false,
-            any_min_p: false,
-            top_logprobs: 0,
+    fn row(temperature: f32, seed: i64) -> SeqSampling {
+        SeqSampling {
+            temperature,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            top_k: 0,
+            seed,
+            draw_index: 0,
+            num_top_logprobs: 0,
         }
+    }
+
+    /// `rows` rows like `template`, seeds `seed_base..`.
+    fn batch(rows: i64, template: SeqSampling, seed_base: i64) -> SamplingBatch {
+        let rows: Vec<SeqSampling> = (0..rows)
+            .map(|i| SeqSampling {
+                seed: seed_base + i,
+                ..template
+            })
+            .collect();
+        SamplingBatch::from_rows(&rows, None, Device::Cpu).expect("batch")
     }
 
     fn logits(rows: i64) -> Tensor {
@@ -205,7 +235,7 @@ mod tests {
     #[test]
     fn seeded_draws_follow_the_softmax() {
         let rows = 20_000;
-        let sampled = sample(&logits(rows), &batch(rows, 1.0, 0));
+        let sampled = sample(&logits(rows), &batch(rows, row(1.0, 0), 0));
         let expected = Vec::<f64>::try_from(logits(1).softmax(-1, Kind::Double).squeeze()).expect("probs");
         for (token, (freq, p)) in frequencies(&sampled.tokens, 6).iter().zip(&expected).enumerate() {
             // Five standard deviations of a binomial frequency.
@@ -219,13 +249,13 @@ mod tests {
 
     #[test]
     fn the_same_seed_and_draw_give_the_same_token_in_any_batch() {
-        let alone = sample(&logits(1), &batch(1, 1.0, 77)).tokens.int64_value(&[0]);
-        let mut crowded = batch(64, 1.0, 40);
-        crowded.seed = Tensor::arange_start(40, 104, (Kind::Int64, Device::Cpu));
-        let in_batch = sample(&logits(64), &crowded).tokens.int64_value(&[37]);
+        let alone = sample(&logits(1), &batch(1, row(1.0, 0), 77)).tokens.int64_value(&[0]);
+        let in_batch = sample(&logits(64), &batch(64, row(1.0, 0), 40))
+            .tokens
+            .int64_value(&[37]);
         assert_eq!(alone, in_batch, "row 37 has seed 77");
         let draws: Vec<i64> = (0..200)
-            .map(|s| sample(&logits(1), &batch(1, 1.0, s)).tokens.int64_value(&[0]))
+            .map(|s| sample(&logits(1), &batch(1, row(1.0, 0), s)).tokens.int64_value(&[0]))
             .collect();
         assert!(
             draws.iter().any(|&t| t != draws[0]),
@@ -236,30 +266,46 @@ mod tests {
     #[test]
     fn top_k_one_and_zero_temperature_are_greedy_and_masks_restrict_the_support() {
         let rows = 2_000;
-        let mut top1 = batch(rows, 1.5, 0);
-        top1.top_k = Tensor::full([rows], 1, (Kind::Int64, Device::Cpu));
-        top1.any_top_k = true;
-        assert_eq!(frequencies(&sample(&logits(rows), &top1).tokens, 6)[0], 1.0);
+        let top1 = SeqSampling {
+            top_k: 1,
+            ..row(1.5, 0)
+        };
         assert_eq!(
-            frequencies(&sample(&logits(rows), &batch(rows, 0.0, 0)).tokens, 6)[0],
+            frequencies(&sample(&logits(rows), &batch(rows, top1, 0)).tokens, 6)[0],
+            1.0
+        );
+        assert_eq!(
+            frequencies(&sample(&logits(rows), &batch(rows, row(0.0, 0), 0)).tokens, 6)[0],
             1.0
         );
 
-        let mut top_p = batch(rows, 1.0, 0);
-        top_p.top_p = Tensor::full([rows], 0.6, (Kind::Float, Device::Cpu));
-        top_p.any_top_p = true;
-        let freq = frequencies(&sample(&logits(rows), &top_p).tokens, 6);
         // softmax ≈ [0.52, 0.19, 0.12, 0.07, 0.03, 0.003]: mass before token 2 is 0.71 > 0.6.
+        let top_p = SeqSampling {
+            top_p: 0.6,
+            ..row(1.0, 0)
+        };
+        let freq = frequencies(&sample(&logits(rows), &batch(rows, top_p, 0)).tokens, 6);
         assert!(
             freq[0] > 0.0 && freq[1] > 0.0 && freq[2..].iter().all(|f| *f == 0.0),
             "{freq:?}"
         );
+        // Top-p over what top-k kept: of [0.73, 0.27] the mass before token 1 is 0.73 > 0.7.
+        let both = SeqSampling {
+            top_k: 2,
+            top_p: 0.7,
+            ..row(1.0, 0)
+        };
+        assert_eq!(
+            frequencies(&sample(&logits(rows), &batch(rows, both, 0)).tokens, 6)[0],
+            1.0
+        );
 
-        let mut min_p = batch(rows, 1.0, 0);
-        min_p.min_p = Tensor::full([rows], 0.2, (Kind::Float, Device::Cpu));
-        min_p.any_min_p = true;
-        let freq = frequencies(&sample(&logits(rows), &min_p).tokens, 6);
         // Kept: p ≥ 0.2 × 0.52 = 0.104, i.e. tokens 0, 1, 2.
+        let min_p = SeqSampling {
+            min_p: 0.2,
+            ..row(1.0, 0)
+        };
+        let freq = frequencies(&sample(&logits(rows), &batch(rows, min_p, 0)).tokens, 6);
         assert!(
             freq[..3].iter().all(|f| *f > 0.0) && freq[3..].iter().all(|f| *f == 0.0),
             "{freq:?}"
@@ -268,23 +314,24 @@ mod tests {
 
     #[test]
     fn penalties_push_seen_tokens_down() {
-        let mut penalized = batch(1, 0.0, 0);
-        penalized.repetition_penalty = Tensor::from_slice(&[4.0f32]);
-        penalized.history = Some(PenaltyHistory {
-            rows: Tensor::from_slice(&[0i64]),
-            tokens: Tensor::from_slice(&[0i64]),
-            generated: Tensor::from_slice(&[false]),
-        });
+        let history = |tokens: &[i64], generated: &[bool]| PenaltyHistory {
+            rows: Tensor::zeros([tokens.len() as i64], (Kind::Int64, Device::Cpu)),
+            tokens: Tensor::from_slice(tokens),
+            generated: Tensor::from_slice(generated),
+        };
+        let repetition = SeqSampling {
+            repetition_penalty: 4.0,
+            ..row(0.0, 0)
+        };
+        let batch = SamplingBatch::from_rows(&[repetition], Some(history(&[0], &[false])), Device::Cpu);
         // 2.0 / 4 = 0.5 < 1.0: token 1 wins.
-        assert_eq!(sample(&logits(1), &penalized).tokens.int64_value(&[0]), 1);
-        let mut frequency = batch(1, 0.0, 0);
-        frequency.frequency_penalty = Tensor::from_slice(&[0.6f32]);
-        frequency.history = Some(PenaltyHistory {
-            rows: Tensor::from_slice(&[0i64, 0]),
-            tokens: Tensor::from_slice(&[0i64, 0]),
-            generated: Tensor::from_slice(&[true, true]),
-        });
+        assert_eq!(sample(&logits(1), &batch.expect("batch")).tokens.int64_value(&[0]), 1);
+        let frequency = SeqSampling {
+            frequency_penalty: 0.6,
+            ..row(0.0, 0)
+        };
+        let batch = SamplingBatch::from_rows(&[frequency], Some(history(&[0, 0], &[true, true])), Device::Cpu);
         // 2.0 − 2 × 0.6 = 0.8 < 1.0.
-        assert_eq!(sample(&logits(1), &frequency).tokens.int64_value(&[0]), 1);
+        assert_eq!(sample(&logits(1), &batch.expect("batch")).tokens.int64_value(&[0]), 1);
     }
 }

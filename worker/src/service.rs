@@ -7,7 +7,7 @@ use std::time::Instant;
 use ipc_channel::ipc::{self, IpcReceiver, IpcSender};
 use rivulet_gguf::GgufFile;
 use rivulet_ipc::{
-    Bootstrap, LoadProgress, ModelInfo, ReadyInfo, StepBuffer, StepCapacity, WorkerCommand, WorkerEvent,
+    Bootstrap, LoadProgress, ModelInfo, ReadyInfo, SeqSampling, StepBuffer, StepCapacity, WorkerCommand, WorkerEvent,
 };
 use tch::{Device, Kind, Tensor};
 
@@ -17,8 +17,8 @@ use crate::cpu_model::{CpuModel, CpuWeights, HostStepInputs};
 use crate::decode_graphs::{self, DecodeGraphs};
 use crate::device::{compute_kind, describe, select_device};
 use crate::error::{panic_message, WorkerError};
-use crate::greedy::sample_greedy;
 use crate::hf_folder;
+use crate::kernel_sampling::{sample_rows, RowRequest};
 use crate::kv_cache::{HostKvCache, KvCache};
 use crate::memory::KvBudget;
 use crate::model::{ForwardInputs, LlamaModel};
@@ -220,7 +220,13 @@ impl Worker {
                     };
                     let logits = model.forward(&step, kv_cache)?;
                     let vocab = model.config.vocab_size;
-                    model.in_pool(|| sample_greedy(&logits, vocab, 0));
+                    let row = RowRequest {
+                        // Temperature 0 and no history: the argmax.
+                        params: SeqSampling::default(),
+                        history: &[],
+                        prompt_len: 0,
+                    };
+                    model.in_pool(|| sample_rows(&logits, vocab, &[row], 0));
                 }
                 Engine::Torch { model, kv_cache, .. } => {
                     let device = model.device;
@@ -300,17 +306,16 @@ impl Worker {
                 if host.sampled_seqs.is_empty() {
                     return Ok(());
                 }
+                // Every row straight from the logits ([`crate::kernel_sampling`]).
                 let vocab = model.config.vocab_size;
-                let rows = step::sampled_rows(buffer, &host);
-                // Greedy rows with no penalty history: argmax and logprobs straight from the
-                // logits ([`crate::greedy`]); anything else through libtorch's sampler.
-                if host.history_len == 0 && !rows.iter().any(|row| row.temperature > 0.0) {
-                    let top = rows.iter().map(|row| row.num_top_logprobs).max().unwrap_or(0) as usize;
-                    let greedy = model.in_pool(|| sample_greedy(&logits, vocab, top));
-                    return step::write_outputs(&mut view, &host, &greedy.into_sampled()?);
-                }
-                let shape = [(logits.len() / vocab) as i64, vocab as i64];
-                (Tensor::f_from_slice(&logits)?.f_view(shape)?, Device::Cpu)
+                let requests = step::row_requests(buffer, &host);
+                let top = requests
+                    .iter()
+                    .map(|request| request.params.num_top_logprobs)
+                    .max()
+                    .unwrap_or(0) as usize;
+                let sampled = model.in_pool(|| sample_rows(&logits, vocab, &requests, top));
+                return step::write_outputs(&mut view, &host, &sampled.into_sampled()?);
             }
             Engine::Torch {
                 model,

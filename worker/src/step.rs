@@ -4,11 +4,11 @@
 
 use rivulet_ipc::layout::MAX_TOP_LOGPROBS;
 use rivulet_ipc::{SeqSampling, StepBuffer, StepHeader};
-use tch::kind::Element;
 use tch::{Device, Kind, Tensor};
 
 use crate::attention::SeqSlice;
 use crate::error::WorkerError;
+use crate::kernel_sampling::RowRequest;
 use crate::sampler::{PenaltyHistory, Sampled, SamplingBatch};
 use crate::step_view::StepView;
 
@@ -138,6 +138,29 @@ pub fn sampled_rows(buffer: &StepBuffer, host: &HostStep) -> Vec<SeqSampling> {
     host.sampled_seqs.iter().map(|&i| all_rows[i as usize]).collect()
 }
 
+/// Each sampled sequence's parameters and penalty history (its prompt's tokens, then its
+/// output's), in [`HostStep::sampled_seqs`] order, for [`crate::kernel_sampling`]; history
+/// ranges as [`validate`] checked them.
+pub fn row_requests<'b>(buffer: &'b StepBuffer, host: &HostStep) -> Vec<RowRequest<'b>> {
+    let layout = buffer.layout();
+    let (start, prompt_len) = (
+        buffer.array(layout.history_start),
+        buffer.array(layout.history_prompt_len),
+    );
+    let (tokens, sampling) = (buffer.array(layout.history_tokens), buffer.array(layout.sampling));
+    host.sampled_seqs
+        .iter()
+        .map(|&seq| {
+            let seq = seq as usize;
+            RowRequest {
+                params: sampling[seq],
+                history: &tokens[start[seq] as usize..start[seq + 1] as usize],
+                prompt_len: prompt_len[seq] as usize,
+            }
+        })
+        .collect()
+}
+
 /// The sampled sequences' parameters (from their rows of the `sampling` array) and penalty
 /// histories, on `device`.
 pub fn sampling_batch(
@@ -170,33 +193,7 @@ pub fn sampling_batch(
             generated: Tensor::f_from_slice(&generated)?.f_to_device(device)?,
         })
     };
-    Ok(SamplingBatch {
-        any_random: rows.iter().any(|row| row.temperature > 0.0),
-        any_top_k: rows.iter().any(|row| row.top_k > 0),
-        any_top_p: rows.iter().any(|row| row.top_p < 1.0),
-        any_min_p: rows.iter().any(|row| row.min_p > 0.0),
-        top_logprobs: rows.iter().map(|row| row.num_top_logprobs).max().unwrap_or(0),
-        temperature: column(&rows, |row| row.temperature, device)?,
-        top_k: column(&rows, |row| row.top_k, device)?,
-        top_p: column(&rows, |row| row.top_p, device)?,
-        min_p: column(&rows, |row| row.min_p, device)?,
-        repetition_penalty: column(&rows, |row| row.repetition_penalty, device)?,
-        frequency_penalty: column(&rows, |row| row.frequency_penalty, device)?,
-        presence_penalty: column(&rows, |row| row.presence_penalty, device)?,
-        seed: column(&rows, |row| row.seed, device)?,
-        draw_index: column(&rows, |row| row.draw_index, device)?,
-        history,
-    })
-}
-
-/// One parameter of every row, `[rows]` on `device`.
-fn column<T: Element>(
-    rows: &[SeqSampling],
-    field: impl Fn(&SeqSampling) -> T,
-    device: Device,
-) -> Result<Tensor, WorkerError> {
-    let values: Vec<T> = rows.iter().map(field).collect();
-    Ok(Tensor::f_from_slice(&values)?.f_to_device(device)?)
+    Ok(SamplingBatch::from_rows(&rows, history, device)?)
 }
 
 /// Writes the sampled tokens, their logprobs and the alternatives into the step buffer.

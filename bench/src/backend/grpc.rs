@@ -7,6 +7,7 @@ use rivulet::proto::{GenerateRequest, SamplingParams, StoppingCriteria};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
+use super::RequestSettings;
 use crate::dataset::BenchRequest;
 use crate::metrics::RequestOutcome;
 
@@ -24,16 +25,18 @@ impl RivuletBackend {
         Ok(Self { channel })
     }
 
-    pub async fn send(&self, request: &BenchRequest, ignore_eos: bool) -> RequestOutcome {
+    pub async fn send(&self, request: &BenchRequest, settings: RequestSettings) -> RequestOutcome {
         let message = GenerateRequest {
             prompt: request.prompt.clone(),
             sampling: Some(SamplingParams {
-                temperature: Some(0.0),
+                temperature: Some(settings.temperature),
+                top_p: settings.top_p,
+                top_k: settings.top_k,
                 ..Default::default()
             }),
             stopping: Some(StoppingCriteria {
                 max_new_tokens: Some(request.max_tokens),
-                ignore_eos,
+                ignore_eos: settings.ignore_eos,
                 ..Default::default()
             }),
             ..Default::default()

@@ -10,6 +10,19 @@ pub use openai::OpenAiBackend;
 use crate::dataset::BenchRequest;
 use crate::metrics::RequestOutcome;
 
+/// What every request of a run asks for besides its prompt and length.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestSettings {
+    /// Generate exactly the output length, past end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// Unset: the server's default (all tokens).
+    pub top_p: Option<f32>,
+    /// Unset: the server's default (all tokens).
+    pub top_k: Option<i32>,
+}
+
 /// A server under test.
 #[derive(Clone)]
 pub enum Backend {
@@ -20,10 +33,10 @@ pub enum Backend {
 }
 
 impl Backend {
-    pub async fn send(&self, request: &BenchRequest, ignore_eos: bool) -> RequestOutcome {
+    pub async fn send(&self, request: &BenchRequest, settings: RequestSettings) -> RequestOutcome {
         match self {
-            Self::Rivulet(backend) => backend.send(request, ignore_eos).await,
-            Self::OpenAi(backend) => backend.send(request, ignore_eos).await,
+            Self::Rivulet(backend) => backend.send(request, settings).await,
+            Self::OpenAi(backend) => backend.send(request, settings).await,
         }
     }
 }

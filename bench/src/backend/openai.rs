@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
+use super::RequestSettings;
 use crate::dataset::BenchRequest;
 use crate::metrics::RequestOutcome;
 
@@ -29,15 +30,21 @@ impl OpenAiBackend {
         })
     }
 
-    pub async fn send(&self, request: &BenchRequest, ignore_eos: bool) -> RequestOutcome {
+    pub async fn send(&self, request: &BenchRequest, settings: RequestSettings) -> RequestOutcome {
         let mut body = json!({
             "prompt": request.prompt,
             "max_tokens": request.max_tokens,
-            "temperature": 0.0,
+            "temperature": settings.temperature,
             "stream": true,
-            "ignore_eos": ignore_eos,
+            "ignore_eos": settings.ignore_eos,
             "stream_options": {"include_usage": true},
         });
+        if let Some(top_p) = settings.top_p {
+            body["top_p"] = json!(top_p);
+        }
+        if let Some(top_k) = settings.top_k {
+            body["top_k"] = json!(top_k);
+        }
         if let Some(model) = &self.model {
             body["model"] = json!(model);
         }

@@ -15,7 +15,7 @@ use rivulet_gguf::GgufFile;
 use rivulet_worker::attention::{AttentionPlan, SeqSlice};
 use rivulet_worker::config::ModelConfig;
 use rivulet_worker::cpu_model::{CpuModel, CpuWeights, HostStepInputs};
-use rivulet_worker::greedy::sample_greedy;
+use rivulet_worker::kernel_sampling::{sample_rows, RowRequest};
 use rivulet_worker::kv_cache::{HostKvCache, KvCache};
 use rivulet_worker::model::{ForwardInputs, LlamaModel};
 use rivulet_worker::weights::ModelWeights;
@@ -253,7 +253,16 @@ impl KernelsBench {
         };
         let logits = self.model.forward(&step, &mut self.cache).expect("a well-formed step");
         let vocab = self.model.config.vocab_size;
-        self.model.in_pool(|| sample_greedy(&logits, vocab, 0));
+        // Greedy rows (temperature 0, no penalty history), as the benchmarks serve them.
+        let requests = vec![
+            RowRequest {
+                params: Default::default(),
+                history: &[],
+                prompt_len: 0,
+            };
+            rows.len()
+        ];
+        self.model.in_pool(|| sample_rows(&logits, vocab, &requests, 0));
     }
 }
 
