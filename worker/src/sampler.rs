@@ -152,7 +152,8 @@ fn apply_penalties(logits: &Tensor, history: &PenaltyHistory, batch: &SamplingBa
 fn draw(logits: &Tensor, batch: &SamplingBatch) -> Tensor {
     let (rows, vocab) = logits.size2().expect("logits are [rows, vocab]");
     let device = logits.device();
-    let scaled = logits / batch.temperature.clamp_min(1e-5).unsqueeze(1);
+    // Times the reciprocal, as the kernels' sampler scales (the same f32 products).
+    let scaled = logits * batch.temperature.clamp_min(1e-5).reciprocal().unsqueeze(1);
     let (max, _) = scaled.max_dim(-1, true);
     // Unnormalized probabilities: the most likely token's weight is 1.
     let mut weights = (scaled - max).exp();
