@@ -4,7 +4,7 @@
 //! Semantics, as vLLM's and as the worker's libtorch sampler (`worker/src/sampler.rs`), which
 //! the worker's tests hold this module to: repetition penalty over the prompt's and the
 //! generated tokens, frequency and presence penalties over the generated ones; then the logits
-//! divided by the temperature; top-k; top-p over the distribution top-k left, renormalized; min-p
+//! times the temperature's reciprocal; top-k; top-p over the distribution top-k left, renormalized; min-p
 //! against the most likely token; then one draw by inverse CDF in token-id order, with a uniform
 //! number that is a pure function of the sequence's seed and draw index ([`seeded_uniform`]), so
 //! a seeded sequence draws the same whatever shares its batch, and after a preemption.
@@ -96,12 +96,12 @@ pub fn seeded_uniform(seed: i64, draw_index: i64) -> f64 {
     ((splitmix64(counter) >> 11) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64)
 }
 
-pub const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
-pub const MIX1: u64 = 0xBF58_476D_1CE4_E5B9;
-pub const MIX2: u64 = 0x94D0_49BB_1331_11EB;
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+const MIX1: u64 = 0xBF58_476D_1CE4_E5B9;
+const MIX2: u64 = 0x94D0_49BB_1331_11EB;
 
 /// The splitmix64 finalizer of `x + GOLDEN`.
-pub fn splitmix64(x: u64) -> u64 {
+fn splitmix64(x: u64) -> u64 {
     let z = x.wrapping_add(GOLDEN);
     let z = (z ^ (z >> 30)).wrapping_mul(MIX1);
     let z = (z ^ (z >> 27)).wrapping_mul(MIX2);
