@@ -126,6 +126,13 @@ struct RunArgs {
     /// Keep the k most likely tokens (unset: the server's default).
     #[arg(long)]
     top_k: Option<i32>,
+    /// Penalties of every request (unset: the server's defaults).
+    #[arg(long)]
+    frequency_penalty: Option<f32>,
+    #[arg(long)]
+    presence_penalty: Option<f32>,
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
     /// Append the run's figures as one JSON line to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -183,6 +190,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             temperature: args.temperature,
             top_p: args.top_p,
             top_k: args.top_k,
+            frequency_penalty: args.frequency_penalty,
+            presence_penalty: args.presence_penalty,
+            repetition_penalty: args.repetition_penalty,
         },
         show_progress: !args.no_progress,
     };

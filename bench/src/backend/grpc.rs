@@ -32,6 +32,9 @@ impl RivuletBackend {
                 temperature: Some(settings.temperature),
                 top_p: settings.top_p,
                 top_k: settings.top_k,
+                frequency_penalty: settings.frequency_penalty,
+                presence_penalty: settings.presence_penalty,
+                repetition_penalty: settings.repetition_penalty,
                 ..Default::default()
             }),
             stopping: Some(StoppingCriteria {

@@ -21,6 +21,10 @@ pub struct RequestSettings {
     pub top_p: Option<f32>,
     /// Unset: the server's default (all tokens).
     pub top_k: Option<i32>,
+    /// Penalties; unset: the server's defaults (none).
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
 }
 
 /// A server under test.

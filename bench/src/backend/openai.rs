@@ -39,11 +39,19 @@ impl OpenAiBackend {
             "ignore_eos": settings.ignore_eos,
             "stream_options": {"include_usage": true},
         });
-        if let Some(top_p) = settings.top_p {
-            body["top_p"] = json!(top_p);
-        }
-        if let Some(top_k) = settings.top_k {
-            body["top_k"] = json!(top_k);
+        // OpenAI's names, and vLLM's (and Rivulet's) top_k and repetition_penalty; llama-server
+        // calls the latter repeat_penalty and ignores this one.
+        let optional = [
+            ("top_p", settings.top_p.map(|v| json!(v))),
+            ("top_k", settings.top_k.map(|v| json!(v))),
+            ("frequency_penalty", settings.frequency_penalty.map(|v| json!(v))),
+            ("presence_penalty", settings.presence_penalty.map(|v| json!(v))),
+            ("repetition_penalty", settings.repetition_penalty.map(|v| json!(v))),
+        ];
+        for (name, value) in optional {
+            if let Some(value) = value {
+                body[name] = value;
+            }
         }
         if let Some(model) = &self.model {
             body["model"] = json!(model);
