@@ -1,7 +1,7 @@
 //! One row of a step that does not simply take the argmax: the penalties applied to its logits,
 //! and a draw from its temperature-scaled distribution restricted by top-k, top-p and min-p.
 //!
-//! Semantics, as vLLM's and as the worker's libtorch sampler (`worker/src/sampler.rs`), which
+//! Semantics, in vLLM's (v0) order and as the worker's libtorch sampler (`worker/src/sampler.rs`), which
 //! the worker's tests hold this module to: repetition penalty over the prompt's and the
 //! generated tokens, frequency and presence penalties over the generated ones; then the logits
 //! times the temperature's reciprocal; top-k; top-p over the distribution top-k left, renormalized; min-p

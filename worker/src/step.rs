@@ -129,7 +129,35 @@ pub fn validate(buffer: &StepBuffer, header: &StepHeader, limits: StepLimits) ->
         sampling.iter().map(|row| &row.num_top_logprobs),
         MAX_TOP_LOGPROBS as i64 + 1,
     )?;
+    for &seq in &host.sampled_seqs {
+        check_sampling(seq, &sampling[seq as usize])?;
+    }
     Ok(host)
+}
+
+/// The ranges the scheduler's validation gives a sampled row's parameters (both samplers assume
+/// them: a top-p or min-p outside [0, 1], or an infinite temperature, has no meaning to draw by).
+fn check_sampling(seq: i64, row: &SeqSampling) -> Result<(), WorkerError> {
+    let unit = 0.0..=1.0;
+    let checks = [
+        ("temperature", row.temperature, row.temperature >= 0.0),
+        ("top_p", row.top_p, unit.contains(&row.top_p)),
+        ("min_p", row.min_p, unit.contains(&row.min_p)),
+        (
+            "repetition_penalty",
+            row.repetition_penalty,
+            row.repetition_penalty > 0.0,
+        ),
+        ("frequency_penalty", row.frequency_penalty, true),
+        ("presence_penalty", row.presence_penalty, true),
+    ];
+    match checks
+        .iter()
+        .find(|(_, value, in_range)| !(value.is_finite() && *in_range))
+    {
+        Some((name, value, _)) => invalid(format!("sequence {seq}: {name} is {value}")),
+        None => Ok(()),
+    }
 }
 
 /// The sampled sequences' rows of the `sampling` array, in [`HostStep::sampled_seqs`] order.

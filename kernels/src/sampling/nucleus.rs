@@ -88,8 +88,9 @@ impl Histogram {
     }
 }
 
-/// The cut of top-k (`Some(k)`, 0 < k) and top-p (`top_p < 1`) over `weights` (finite, in
-/// [0, 1], the heaviest 1), or `None` where they keep every positive weight.
+/// The cut of top-k (`Some(k)`, 0 < k) and top-p (`top_p` in [0, 1)) over `weights` (finite,
+/// in [0, 1], the heaviest 1): always `Some` under top-k (its head's lightest token, or a
+/// heavier one top-p cuts at); under top-p alone, `None` where it keeps every positive weight.
 pub fn find_cut(weights: &[f32], top_k: Option<usize>, top_p: f32) -> Option<Cut> {
     if let Some(k) = top_k {
         // Top-p, if any, applies within top-k's head: the k heaviest are all the candidates.
@@ -114,11 +115,12 @@ pub fn find_cut(weights: &[f32], top_k: Option<usize>, top_p: f32) -> Option<Cut
 /// Weights [`heaviest`] checks at once before looking at each.
 const SCAN_CHUNK: usize = 64;
 
-/// The `k` (≥ 1) heaviest positive weights, in one pass: a buffer of up to 4k candidates is cut
-/// back to its k heaviest whenever it fills, and from then on only tokens heavier than the k-th
-/// can enter (a later token of equal weight comes after it in the order).
+/// The `k` (≥ 1) heaviest positive weights, in one pass: a buffer of up to 4·max(k, 16)
+/// candidates (fewer for a short row) is cut back to its k heaviest whenever it fills, and from
+/// then on only tokens heavier than the k-th can enter (a later token of equal weight comes after
+/// it in the order).
 fn heaviest(weights: &[f32], k: usize) -> Vec<Candidate> {
-    let capacity = 4 * k.max(16);
+    let capacity = (4 * k.max(16)).min(weights.len().max(k + 1));
     let mut buffer: Vec<Candidate> = Vec::with_capacity(capacity);
     let mut threshold = 0f32;
     for (chunk_index, chunk) in weights.chunks(SCAN_CHUNK).enumerate() {
@@ -183,9 +185,10 @@ fn cut_of(candidates: &mut [Candidate], top_p: f32, mass: f64, head: bool) -> Op
 /// Slices this short are sorted and walked instead of split further.
 const SORTED_WALK: usize = 32;
 
-/// Top-p's cut: the last candidate in the order whose mass before it is at most `limit`, found
-/// by quickselect on the order, recursing into the half the mass says holds it. `None` if no
-/// candidate's mass-before exceeds `limit` (every candidate kept).
+/// Top-p's cut: the last candidate in the order whose mass before it is at most `limit` (≥ 0),
+/// found by quickselect on the order, recursing into the half the mass says holds it. `None`
+/// only where every candidate is kept and their mass is within `limit`, so that whatever lies
+/// below the candidates could still be kept.
 fn weighted_cut(candidates: &mut [Candidate], limit: f64) -> Option<Cut> {
     let as_cut = |(weight, token): Candidate| Cut { weight, token };
     let mut before = 0f64;

@@ -368,11 +368,21 @@ pub fn sampling_params(sampling: SamplingDraft) -> Result<SamplingParams, Valida
     }
     let penalty = |field, value: f32| check(field, value, (-2.0..=2.0).contains(&value), "[-2, 2]");
     Ok(SamplingParams {
-        temperature: check(Field::Temperature, temperature, temperature >= 0.0, ">= 0")?,
+        temperature: check(
+            Field::Temperature,
+            temperature,
+            temperature >= 0.0 && temperature.is_finite(),
+            ">= 0 and finite",
+        )?,
         top_k: top_k.max(0) as u32,
         top_p: check(Field::TopP, top_p, top_p > 0.0 && top_p <= 1.0, "(0, 1]")?,
         min_p: check(Field::MinP, min_p, (0.0..=1.0).contains(&min_p), "[0, 1]")?,
-        repetition_penalty: check(Field::RepetitionPenalty, repetition, repetition > 0.0, "> 0")?,
+        repetition_penalty: check(
+            Field::RepetitionPenalty,
+            repetition,
+            repetition > 0.0 && repetition.is_finite(),
+            "> 0 and finite",
+        )?,
         frequency_penalty: penalty(Field::FrequencyPenalty, frequency)?,
         presence_penalty: penalty(Field::PresencePenalty, presence)?,
         seed: sampling.seed.unwrap_or_else(fresh_seed),
@@ -408,6 +418,13 @@ mod tests {
             ),
             (
                 SamplingDraft {
+                    temperature: Some(f32::INFINITY),
+                    ..Default::default()
+                },
+                Field::Temperature,
+            ),
+            (
+                SamplingDraft {
                     top_p: Some(0.0),
                     ..Default::default()
                 },
@@ -437,6 +454,13 @@ mod tests {
             (
                 SamplingDraft {
                     repetition_penalty: Some(0.0),
+                    ..Default::default()
+                },
+                Field::RepetitionPenalty,
+            ),
+            (
+                SamplingDraft {
+                    repetition_penalty: Some(f32::INFINITY),
                     ..Default::default()
                 },
                 Field::RepetitionPenalty,
