@@ -79,6 +79,23 @@ pub struct SeqSampling {
     /// Alternatives to report (`0..=MAX_TOP_LOGPROBS`); 0 unless the request asked for logprobs.
     pub num_top_logprobs: i64,
 }
+impl SeqSampling {
+    /// Greedy decoding with every other stage off (neutral penalties, no masks, no
+    /// alternatives). `Default` is all zeros, whose repetition penalty of 0 is not neutral.
+    pub const GREEDY: Self = Self {
+        temperature: 0.0,
+        top_p: 1.0,
+        min_p: 0.0,
+        repetition_penalty: 1.0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
+        top_k: 0,
+        seed: 0,
+        draw_index: 0,
+        num_top_logprobs: 0,
+    };
+}
+
 // Six f32 then four i64: no padding anywhere, so every byte of a row is a field's.
 const _: () = assert!(size_of::<SeqSampling>() == 6 * size_of::<f32>() + 4 * size_of::<i64>());
 const _: () = assert!(size_of::<SeqSampling>() == 56);

@@ -156,21 +156,6 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use tch::{Device, Kind};
 
-    fn greedy_row(num_top_logprobs: i64) -> SeqSampling {
-        SeqSampling {
-            temperature: 0.0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            top_k: 0,
-            seed: 0,
-            draw_index: 0,
-            num_top_logprobs,
-        }
-    }
-
     /// The libtorch sampler on the same rows, as the CUDA engine runs it.
     fn libtorch(logits: &[f32], vocab: usize, requests: &[RowRequest<'_>]) -> Sampled {
         let rows: Vec<SeqSampling> = requests.iter().map(|r| r.params).collect();
@@ -268,7 +253,10 @@ mod tests {
         let (rows, vocab, top) = (5i64, 1_031i64, 4i64);
         let logits = Tensor::randn([rows, vocab], (Kind::Float, Device::Cpu)) * 6.0;
         let flat = values::<f32>(&logits);
-        let params = greedy_row(top);
+        let params = SeqSampling {
+            num_top_logprobs: top,
+            ..SeqSampling::GREEDY
+        };
         let requests = vec![
             RowRequest {
                 params,

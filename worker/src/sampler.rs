@@ -198,15 +198,8 @@ mod tests {
     fn row(temperature: f32, seed: i64) -> SeqSampling {
         SeqSampling {
             temperature,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            top_k: 0,
             seed,
-            draw_index: 0,
-            num_top_logprobs: 0,
+            ..SeqSampling::GREEDY
         }
     }
 

@@ -221,8 +221,7 @@ impl Worker {
                     let logits = model.forward(&step, kv_cache)?;
                     let vocab = model.config.vocab_size;
                     let row = RowRequest {
-                        // Temperature 0 and no history: the argmax.
-                        params: SeqSampling::default(),
+                        params: SeqSampling::GREEDY,
                         history: &[],
                         prompt_len: 0,
                     };

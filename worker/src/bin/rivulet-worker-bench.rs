@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use rivulet_gguf::GgufFile;
+use rivulet_ipc::SeqSampling;
 use rivulet_worker::attention::{AttentionPlan, SeqSlice};
 use rivulet_worker::config::ModelConfig;
 use rivulet_worker::cpu_model::{CpuModel, CpuWeights, HostStepInputs};
@@ -256,7 +257,7 @@ impl KernelsBench {
         // Greedy rows (temperature 0, no penalty history), as the benchmarks serve them.
         let requests = vec![
             RowRequest {
-                params: Default::default(),
+                params: SeqSampling::GREEDY,
                 history: &[],
                 prompt_len: 0,
             };
