@@ -13,21 +13,31 @@
 //! [`rayon::yield_now`], running any job as soon as it is queued, and yielding the core to the
 //! OS (`sched_yield`) when there is none, so that another process that is ready (the scheduler)
 //! still runs. When the step returns they go back to rayon's sleep: nothing spins between steps.
+//!
+//! The step starts only once every other thread is in its loop. A loop is a job, and a rayon
+//! thread waiting inside a join runs whatever job it finds: a thread that stole one of the
+//! step's jobs before taking its loop (rayon looks for the loop first, but a steal can slip in
+//! between) would run the loop inside that job, and the loop ends only when the step does,
+//! which waits for that job — a deadlock that hung a worker step (and, within ~16 000 steps, the
+//! stress test below) before the wait was added.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Runs `work` inside `pool` with the pool's other threads awake and stealing its jobs until it
 /// returns (or unwinds).
 pub fn install_awake<R: Send>(pool: &rayon::ThreadPool, work: impl FnOnce() -> R + Send) -> R {
     pool.install(|| {
         let done = AtomicBool::new(false);
+        let looping = AtomicUsize::new(0);
         let caller = rayon::current_thread_index();
+        let others = rayon::current_num_threads().saturating_sub(1);
         rayon::in_place_scope(|scope| {
             scope.spawn_broadcast(|_, context| {
                 // The calling thread has the step to run (its own broadcast job returns at once).
                 if Some(context.index()) == caller {
                     return;
                 }
+                looping.fetch_add(1, Ordering::AcqRel);
                 while !done.load(Ordering::Acquire) {
                     match rayon::yield_now() {
                         Some(rayon::Yield::Executed) => {}
@@ -38,6 +48,10 @@ pub fn install_awake<R: Send>(pool: &rayon::ThreadPool, work: impl FnOnce() -> R
             // Set when `work` returns or panics: the scope waits for every broadcast job, so
             // the loops above must end either way.
             let _stop = Stop(&done);
+            // No job of the step exists until every other thread runs its loop (module docs).
+            while looping.load(Ordering::Acquire) < others {
+                std::thread::yield_now();
+            }
             work()
         })
     })
@@ -84,5 +98,44 @@ mod tests {
     fn a_one_thread_pool_runs_the_step_alone() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().expect("pool");
         assert_eq!(install_awake(&pool, || (0..10).into_par_iter().sum::<i32>()), 45);
+    }
+}
+
+#[cfg(test)]
+mod stress {
+    use super::*;
+    use rayon::prelude::*;
+    use std::sync::atomic::AtomicU64;
+    use std::sync::Arc;
+
+    /// Steps back to back, each a parallel loop of one-item jobs (nested joins): before the
+    /// step waited for the loops, one of the threads ended up running its loop inside a stolen
+    /// job of the step within ~16 000 steps, and no step finished again.
+    #[test]
+    fn back_to_back_steps_with_nested_joins_never_deadlock() {
+        const STEPS: u64 = 60_000;
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().expect("pool");
+        let reached = Arc::new(AtomicU64::new(0));
+        let progress = Arc::clone(&reached);
+        std::thread::spawn(move || {
+            for step in 0..STEPS {
+                let sum = install_awake(&pool, || {
+                    (0..64u32)
+                        .into_par_iter()
+                        .with_max_len(1)
+                        .map(|i| u64::from(i) + step)
+                        .sum::<u64>()
+                });
+                assert_eq!(sum, 64 * step + 2016);
+                progress.store(step + 1, Ordering::Release);
+            }
+        });
+        let mut last = 0;
+        while last < STEPS {
+            std::thread::sleep(std::time::Duration::from_secs(2));
+            let now = reached.load(Ordering::Acquire);
+            assert!(now > last, "no step finished in 2 s (after {now} steps)");
+            last = now;
+        }
     }
 }
