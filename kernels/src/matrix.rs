@@ -1,18 +1,19 @@
 //! A weight matrix kept in its GGUF blocks, and `x · Wᵀ` for f32 activations.
 //!
 //! Q4_0, Q4_1 and Q8_0 can be rearranged by panels of 16 rows ([`WeightMatrix::add_panels`],
-//! the blocks' bytes): one 16-byte load is one column of 16 rows. With AVX-512 every step
-//! multiplies straight from the panels, decoded in registers, eight activation rows a pass, and
-//! the row-major blocks can go ([`WeightMatrix::keep_only_panels`]); where the CPU also has AMX,
-//! steps of [`AMX_MIN_BATCH`] rows or more multiply the panels on the tiles instead (`simd::amx`:
-//! exact quants times activations split into three bf16 parts, f32 sums). Otherwise (AVX2): up to 8
-//! activation rows, each row-major block is decoded in registers and used at once (the GEMV
-//! paths in `simd`); from 9 rows on each task decodes a panel of 16 weight rows, a tile of
-//! columns at a time, into an L1-resident `[k][16]` f32 buffer — exactly GGUF's dequantization —
-//! and a register-blocked FMA kernel multiplies it against every activation row, so each weight
-//! is read and decoded once per step whatever the batch (from the panels with no transpose where
-//! they exist, else row by row and transposed). The portable path decodes 4 rows of [`TILE`]
-//! values at a time and multiplies them in plain Rust.
+//! the blocks' bytes): one 16-byte load is one column of 16 rows, and every step multiplies
+//! from them, so the row-major blocks can go ([`WeightMatrix::keep_only_panels`]). With AVX-512
+//! a step decodes the panels in registers, eight activation rows a pass; where the CPU also has
+//! AMX, steps of [`AMX_MIN_BATCH`] rows or more multiply the panels on the tiles instead
+//! (`simd::amx`: exact quants times activations split into three bf16 parts, f32 sums). With
+//! AVX2, up to [`PANEL_GEMV_AVX2_MAX_BATCH`] activation rows multiply the panels decoded in
+//! registers too, half a panel to a register (`simd::panel_gemv_avx2`); from 9 rows on each task
+//! decodes a panel of 16 weight rows, a tile of columns at a time, into an L1-resident `[k][16]`
+//! f32 buffer — exactly GGUF's dequantization — and a register-blocked FMA kernel multiplies it
+//! against every activation row, so each weight is read and decoded once per step whatever the
+//! batch. A matrix without panels (another format) decodes its row-major blocks: in registers
+//! for a few rows (the GEMV paths in `simd`), else row by row into the same `[k][16]` buffer. The
+//! portable path decodes 4 rows of [`TILE`] values at a time and multiplies them in plain Rust.
 
 use rayon::prelude::*;
 use rivulet_gguf::dequant::dequantize_append;
@@ -48,6 +49,11 @@ fn panel_tile_rows(cols: usize) -> usize {
     let rows = PANEL_TILE_BYTES / (4 * cols.max(1));
     (rows / simd::PANEL_GEMV_ROWS * simd::PANEL_GEMV_ROWS).max(simd::PANEL_GEMV_ROWS)
 }
+
+/// Activation rows up to which an AVX2 CPU multiplies straight from the panels, decoded in
+/// registers (`simd::panel_gemv_avx2`); larger steps decode each panel once into L1 (`Packed`),
+/// where the register kernel's 6 × 16 block reuses each decoded weight more.
+const PANEL_GEMV_AVX2_MAX_BATCH: usize = 8;
 
 /// A `[rows, cols]` matrix in one of GGUF's formats, row-major, each row whole blocks.
 #[derive(Debug, Clone)]
@@ -148,22 +154,22 @@ impl WeightMatrix {
         self.panels.is_some()
     }
 
-    /// Keeps, beside the blocks, a copy rearranged by panels of 16 rows that steps of 9+ rows
-    /// decode with no transpose (`simd::Panels`; ~1.2× the blocks' bytes for Q4_0 and Q4_1,
-    /// ~1.06× for Q8_0): ~1.2× faster projections at 16–32 rows, ~1.1× at 64. Only Q4_0, Q4_1
-    /// and Q8_0 on an AVX2 CPU have them; for anything else this does nothing.
+    /// Keeps, beside the blocks, a copy rearranged by panels of 16 rows (`simd::Panels`; the
+    /// blocks' bytes for Q4_1 and Q8_0, ~1.1× for Q4_0), which every step then multiplies from
+    /// ([`Self::keep_only_panels`] lets the blocks go). Only Q4_0, Q4_1 and Q8_0 on an AVX2 CPU
+    /// have them; for anything else this does nothing.
     pub fn add_panels(&mut self) {
         if self.panels.is_none() && simd::has_avx2() {
             self.panels = simd::Panels::new(self.format, &self.data, self.rows, self.cols / 32, self.row_bytes);
         }
     }
 
-    /// Lets the row-major blocks go where the panels serve every step (an AVX-512 CPU): the
-    /// matrix then takes its bytes once instead of twice. Every product then comes from the
-    /// panels whatever [`Isa`] is asked for, and rows are read back from them, byte for byte
-    /// (so an embedding lookup gives the same values). Returns whether the blocks went.
+    /// Lets the row-major blocks go where panels exist (they serve every step): the matrix then
+    /// takes its bytes once instead of twice. Every product then comes from the panels whatever
+    /// [`Isa`] is asked for, and rows are read back from them, byte for byte (so an embedding
+    /// lookup gives the same values). Returns whether the blocks went.
     pub fn keep_only_panels(&mut self) -> bool {
-        if self.panels.is_some() && simd::has_avx512() {
+        if self.panels.is_some() {
             self.data = Vec::new();
             self.panels_only = true;
         }
@@ -235,16 +241,25 @@ impl WeightMatrix {
         }
         // With AMX and panels, batches of `AMX_MIN_BATCH` or more run on the tiles (`PanelAmx`).
         // With AVX-512 and panels, every batch multiplies straight from the panels, decoded in
-        // registers, eight activation rows a pass (`PanelGemv`). Otherwise small batches decode
+        // registers, eight activation rows a pass (`PanelGemv`); with AVX2, batches of up to
+        // `PANEL_GEMV_AVX2_MAX_BATCH` (`PanelGemvAvx2`). Without panels, small batches decode
         // each row-major block in registers and use it at once (`Gemv`; one or two rows against
-        // Q4_1 with the block minimum factored out, `GemvQ4_1`); larger ones decode a panel of
+        // Q4_1 with the block minimum factored out, `GemvQ4_1`). Larger ones decode a panel of
         // rows once into L1 and run a register-blocked kernel over every activation row
-        // (`Packed`); `Portable` is the same idea in plain Rust.
+        // (`Packed`, from the panels where they exist); `Portable` is the same idea in plain Rust.
         let whole_blocks = self.cols.is_multiple_of(32);
+        let panels = self.panels.is_some();
         let path = match isa {
-            Isa::Amx if self.panels.is_some() && batch >= AMX_MIN_BATCH && self.cols > 0 => Path::PanelAmx,
-            _ if self.panels_only => Path::PanelGemv,
-            Isa::Avx512 | Isa::Amx if self.panels.is_some() => Path::PanelGemv,
+            Isa::Amx if panels && batch >= AMX_MIN_BATCH && self.cols > 0 => Path::PanelAmx,
+            Isa::Avx512 | Isa::Amx if panels => Path::PanelGemv,
+            // Where only the panels remain, a path that reads the blocks takes the panels' instead.
+            _ if self.panels_only && simd::has_avx512() => Path::PanelGemv,
+            Isa::Avx2 | Isa::Portable
+                if panels && batch <= PANEL_GEMV_AVX2_MAX_BATCH && (isa == Isa::Avx2 || self.panels_only) =>
+            {
+                Path::PanelGemvAvx2
+            }
+            _ if self.panels_only => Path::Packed,
             Isa::Avx2 | Isa::Avx512 | Isa::Amx
                 if batch <= simd::GEMV_Q4_1_MAX_BATCH && self.format == GgmlType::Q4_1 && whole_blocks =>
             {
@@ -258,7 +273,10 @@ impl WeightMatrix {
             Isa::Avx2 | Isa::Avx512 | Isa::Amx => Path::Packed,
             Isa::Portable => Path::Portable,
         };
-        let unit = if matches!(path, Path::Packed | Path::PanelGemv | Path::PanelAmx) {
+        let unit = if matches!(
+            path,
+            Path::Packed | Path::PanelGemv | Path::PanelGemvAvx2 | Path::PanelAmx
+        ) {
             simd::PANEL
         } else {
             STRIP
@@ -273,7 +291,9 @@ impl WeightMatrix {
         };
         // Only 4-bit panels meet their offsets with the activations' block sums.
         let block_sums = match path {
-            Path::PanelGemv if self.format != GgmlType::Q8_0 => simd::block_sums(x, self.cols, batch, self.cols),
+            Path::PanelGemv | Path::PanelGemvAvx2 if self.format != GgmlType::Q8_0 => {
+                simd::block_sums(x, self.cols, batch, self.cols)
+            }
             _ => Vec::new(),
         };
         let split = match path {
@@ -337,6 +357,24 @@ impl WeightMatrix {
                                     simd::PANEL,
                                 );
                             }
+                        }
+                    }
+                }),
+                Path::PanelGemvAvx2 => SCRATCH.with_borrow_mut(|scratch| {
+                    // `PanelGemvAvx2` is chosen only where panels exist.
+                    if let Some(panels) = &self.panels {
+                        scratch.sums.resize(batch * simd::PANEL, 0.0);
+                        for panel in (first..last).step_by(simd::PANEL) {
+                            let rows = simd::PANEL.min(last - panel);
+                            panels.product_avx2(
+                                panel / simd::PANEL,
+                                x,
+                                self.cols,
+                                &block_sums,
+                                batch,
+                                &mut scratch.sums,
+                            );
+                            output.store_rows(0..batch, first_column + panel, rows, &scratch.sums, simd::PANEL);
                         }
                     }
                 }),
@@ -561,6 +599,7 @@ struct Scratch {
 enum Path {
     PanelAmx,
     PanelGemv,
+    PanelGemvAvx2,
     GemvQ4_1,
     Gemv,
     Packed,

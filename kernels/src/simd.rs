@@ -1,5 +1,5 @@
 //! The crate's only `unsafe` (here and in its children [`gemv_q4_1`], [`panels`],
-//! [`panel_gemv`], [`amx`] and [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F
+//! [`panel_gemv`], [`panel_gemv_avx2`], [`amx`] and [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F
 //! one, an AMX one (with its own invariants, stated there), and the output handle that lets
 //! parallel tasks write disjoint columns of one matrix.
 //!
@@ -28,6 +28,7 @@ mod amx;
 mod gemv_q4_1;
 mod grouped_heads;
 mod panel_gemv;
+mod panel_gemv_avx2;
 mod panels;
 mod peak;
 pub use amx::{has_amx, SplitActivations, Tiles};

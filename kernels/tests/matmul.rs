@@ -49,8 +49,8 @@ fn random_matrix(rng: &mut StdRng, format: GgmlType, rows: usize, cols: usize) -
 fn check(rng: &mut StdRng, format: GgmlType, rows: usize, cols: usize, batch: usize) {
     let matrix = random_matrix(rng, format, rows, cols);
     check_matrix(rng, &matrix, batch);
-    // The same values through the panels (the AVX-512 products, and the AVX2 packed path's
-    // other decoder for 9+ rows).
+    // The same values through the panels (the AVX-512 products, and the AVX2 panel GEMV and
+    // packed path's other decoder).
     let mut with_panels = matrix;
     with_panels.add_panels();
     if matches!(format, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) && Isa::best() != Isa::Portable {
@@ -58,7 +58,7 @@ fn check(rng: &mut StdRng, format: GgmlType, rows: usize, cols: usize, batch: us
         assert!(with_panels.resident_bytes() > with_panels.byte_len());
     }
     check_matrix(rng, &with_panels, batch);
-    // Panels alone (an AVX-512 CPU lets the blocks go): the same rows read back, the same
+    // Panels alone (the worker lets the blocks go): the same rows read back, the same
     // products whichever path is asked for.
     let dense = with_panels.dequantize();
     let mut panels_only = with_panels;

@@ -185,9 +185,9 @@ impl CpuWeights {
     }
 
     /// Arranges every projection and the head by 16-row panels ([`WeightMatrix::add_panels`]:
-    /// Q4_0, Q4_1 and Q8_0): on an AVX-512 CPU instead of the row-major blocks, which no step
-    /// reads there any more ([`WeightMatrix::keep_only_panels`]; the same bytes); on an AVX2 CPU
-    /// as a second copy for steps of 9+ tokens. Returns the bytes the weights now take.
+    /// Q4_0, Q4_1 and Q8_0, on a CPU with AVX2) instead of the row-major blocks, which no step
+    /// reads any more ([`WeightMatrix::keep_only_panels`]; the same bytes). Returns the bytes the
+    /// weights now take.
     pub fn add_panels(&mut self) -> usize {
         let head = self.lm_head.as_mut().unwrap_or(&mut self.token_embedding);
         let projections = self

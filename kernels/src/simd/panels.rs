@@ -7,8 +7,9 @@
 //! step's projection time, while the FMA kernel itself runs near the machine's peak. Here one
 //! column's values of 16 rows sit in consecutive bytes and each block's scales are vectors over
 //! the rows, so 8 weights cost one widening load, a mask or shift (4-bit formats), one
-//! conversion, one multiply or FMA and one store. On AVX-512 every step multiplies straight from
-//! the panels ([`super::panel_gemv`]).
+//! conversion, one multiply or FMA and one store. Steps of fewer rows multiply straight from the
+//! panels, decoded in registers ([`super::panel_gemv`] on AVX-512 for every step,
+//! [`super::panel_gemv_avx2`] up to 8 rows).
 //!
 //! Layout, per panel of [`PANEL`] rows (a last partial panel is padded with zero rows), block
 //! after block (32 columns each):
