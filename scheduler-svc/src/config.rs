@@ -93,11 +93,11 @@ pub struct WorkerConfig {
     /// GGUF blocks; for comparison. Spawned workers only (an attached worker takes
     /// `--libtorch-cpu` on its own command line).
     pub libtorch_cpu: bool,
-    /// CPU kernels: arrange the Q4_0/Q4_1/Q8_0 weights by 16-row panels. On an AVX-512 CPU every
-    /// step multiplies from them, in place of GGUF's row-major blocks (the same bytes; 1.3–2×
-    /// faster projections up to 8 tokens, 1.1–1.35× at 12–32); on an AVX2 CPU they are a second
-    /// copy for steps of 9+ tokens (~1.2× faster there, twice the weights' memory). `false` keeps
-    /// the blocks only. Spawned workers (an attached worker takes `--no-batch-weight-copy`).
+    /// CPU kernels: arrange the Q4_0/Q4_1/Q8_0 weights by 16-row panels, which every step then
+    /// multiplies from in place of GGUF's row-major blocks (the same bytes; on AVX-512 1.3–2×
+    /// faster projections up to 8 tokens, 1.1–1.35× at 12–32; on AVX2 1.25–1.5× up to 4 tokens,
+    /// ~1.2× at 16–32). `false` keeps the blocks only. Spawned workers (an attached worker takes
+    /// `--no-batch-weight-copy`).
     pub batch_weight_copy: bool,
     /// CUDA: run decode steps of up to 256 sequences by replaying CUDA graphs captured per batch
     /// and context bucket (one launch instead of ~600; 3-6x faster steps where the host's kernel

@@ -55,9 +55,8 @@ struct Args {
     /// On the CPU, run libtorch's forward pass instead of Rivulet's kernels (for comparison).
     #[arg(long)]
     libtorch_cpu: bool,
-    /// CPU kernels: keep the Q4_0/Q4_1/Q8_0 weights only as GGUF's row-major blocks, not arranged
-    /// by panels (which every step multiplies from on an AVX-512 CPU, and steps of 9+ tokens on an
-    /// AVX2 CPU, where they are a second copy). The scheduler passes it when
+    /// CPU kernels: keep the Q4_0/Q4_1/Q8_0 weights as GGUF's row-major blocks, not arranged by
+    /// the panels every step otherwise multiplies from. The scheduler passes it when
     /// `worker.batch_weight_copy` is false.
     #[arg(long)]
     no_batch_weight_copy: bool,
