@@ -19,9 +19,10 @@
 //! step's jobs before taking its loop (rayon looks for the loop first, but a steal can slip in
 //! between) may run the loop inside that job, and a loop that lasted until the step ends would
 //! wait for itself — a deadlock that hung a worker step, and the stress test below within
-//! ~16 000 steps. Ending on idleness turns that rare case into one pause of [`IDLE_LIMIT`];
-//! waiting instead for every thread to enter its loop before the step starts cost ~1 ms of
-//! wake-up per one-token step on a 2-vCPU EPYC.
+//! ~16 000 steps. Ending on idleness turns that rare case into one pause of [`IDLE_LIMIT`].
+//! Making the step wait until every other thread is in its loop also fixes it, but puts their
+//! wake-up (a futex, and on a virtual CPU often a halted vCPU) before every step's first
+//! instruction instead of beside the step's first one-thread stretch.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
