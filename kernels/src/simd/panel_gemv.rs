@@ -48,8 +48,7 @@ pub fn block_sum(block: &[f32]) -> f32 {
 impl Panels {
     /// `out[b][r] = Σ_k x[b][k] · w[panel · PANEL + r][k]` for every activation row `b < batch`
     /// (row `b` of `x` at `b * x_stride`) and `r < PANEL`; `sums` is [`block_sums`] of `x` (read
-    /// by the 4-bit panels only). Passes of at most [`PANEL_GEMV_ROWS`] rows, sized evenly (13 =
-    /// 7 + 6, not 8 + 5: a pass of few rows has too few accumulators to hide the FMA latency).
+    /// by the 4-bit panels only). Passes of at most [`PANEL_GEMV_ROWS`] rows ([`Self::in_passes`]).
     pub fn product_avx512(
         &self,
         panel: usize,
@@ -59,37 +58,20 @@ impl Panels {
         batch: usize,
         out: &mut [f32],
     ) {
-        let blocks = self.blocks_per_row();
-        let passes = batch.div_ceil(PANEL_GEMV_ROWS);
-        let mut start = 0;
-        for pass in 0..passes {
-            let rows = (batch - start).div_ceil(passes - pass);
-            self.pass_avx512(
-                panel,
-                &x[start * x_stride..],
-                x_stride,
-                sums.get(start * blocks..).unwrap_or_default(),
-                rows,
-                &mut out[start * PANEL..(start + rows) * PANEL],
-            );
-            start += rows;
-        }
+        self.in_passes(PANEL_GEMV_ROWS, x, x_stride, sums, batch, out, |x, sums, rows, out| {
+            self.pass_avx512(panel, x, x_stride, sums, rows, out)
+        });
     }
 
     /// One pass of [`Self::product_avx512`]: `1..=PANEL_GEMV_ROWS` activation rows.
     fn pass_avx512(&self, panel: usize, x: &[f32], x_stride: usize, sums: &[f32], batch: usize, out: &mut [f32]) {
         assert!(has_avx512());
-        assert!((1..=PANEL_GEMV_ROWS).contains(&batch));
         let blocks = self.blocks_per_row();
-        let cols = blocks * 32;
-        assert!(fits(x.len(), strided_len(batch, x_stride, cols)));
-        assert!(self.kind() == Kind::Q8 || fits(sums.len(), batch.checked_mul(blocks)));
-        assert!(fits(out.len(), batch.checked_mul(PANEL)));
-        let source = self.blocks(panel, 0..blocks);
+        let source = self.pass_source(panel, PANEL_GEMV_ROWS, x, x_stride, sums, batch, out);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F present; `source` holds the panel's `blocks` blocks of its kind, `x`
         // every activation value read, `sums` every block sum read and `out` every result
-        // written (asserted above).
+        // written (asserted by `pass_source`).
         unsafe {
             let (w, xp, sp, op) = (source.as_ptr(), x.as_ptr(), sums.as_ptr(), out.as_mut_ptr());
             macro_rules! run {
@@ -114,13 +96,67 @@ impl Panels {
     }
 }
 
+impl Panels {
+    /// Runs `pass(x, sums, rows, out)` over `batch` activation rows in passes of at most
+    /// `max_rows`, sized evenly (13 = 7 + 6, not 8 + 5: a pass of few rows has too few
+    /// accumulators to hide the FMA latency); each pass gets its rows of `x` (`x_stride` apart),
+    /// of `sums` ([`block_sums`]) and of `out` (`PANEL` values a row).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn in_passes(
+        &self,
+        max_rows: usize,
+        x: &[f32],
+        x_stride: usize,
+        sums: &[f32],
+        batch: usize,
+        out: &mut [f32],
+        mut pass: impl FnMut(&[f32], &[f32], usize, &mut [f32]),
+    ) {
+        let blocks = self.blocks_per_row();
+        let passes = batch.div_ceil(max_rows);
+        let mut start = 0;
+        for index in 0..passes {
+            let rows = (batch - start).div_ceil(passes - index);
+            pass(
+                &x[start * x_stride..],
+                sums.get(start * blocks..).unwrap_or_default(),
+                rows,
+                &mut out[start * PANEL..(start + rows) * PANEL],
+            );
+            start += rows;
+        }
+    }
+
+    /// Panel `panel`'s blocks, once a pass of `batch` activation rows (`1..=max_rows`) is
+    /// checked against them: `x` holds every value the pass reads, `sums` every block sum (4-bit
+    /// panels) and `out` every result it writes. The kernels' `unsafe` rests on these asserts.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn pass_source(
+        &self,
+        panel: usize,
+        max_rows: usize,
+        x: &[f32],
+        x_stride: usize,
+        sums: &[f32],
+        batch: usize,
+        out: &[f32],
+    ) -> &[u8] {
+        assert!((1..=max_rows).contains(&batch));
+        let blocks = self.blocks_per_row();
+        assert!(fits(x.len(), strided_len(batch, x_stride, blocks * 32)));
+        assert!(self.kind() == Kind::Q8 || fits(sums.len(), batch.checked_mul(blocks)));
+        assert!(fits(out.len(), batch.checked_mul(PANEL)));
+        self.blocks(panel, 0..blocks)
+    }
+}
+
 /// Blocks ahead that a block's bytes are fetched.
 const PREFETCH_BLOCKS: usize = 4;
 
 /// Fetches the block `PREFETCH_BLOCKS` after the one at `base` (`block_bytes` each). A hint
 /// only: it never faults, so it may point past the panel.
 #[cfg(target_arch = "x86_64")]
-fn prefetch_ahead(base: *const u8, block_bytes: usize) {
+pub(super) fn prefetch_ahead(base: *const u8, block_bytes: usize) {
     let ahead = base.wrapping_add(PREFETCH_BLOCKS * block_bytes);
     for line in 0..block_bytes.div_ceil(64) {
         // SAFETY: a prefetch reads nothing architecturally and never faults.

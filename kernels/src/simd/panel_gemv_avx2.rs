@@ -21,52 +21,40 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::panel_gemv::prefetch_ahead;
 use super::panels::{Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
-use super::{fits, has_avx2, strided_len, PANEL};
+use super::{has_avx2, PANEL};
 
 /// Activation rows one pass multiplies; a larger step makes several passes.
 pub const PANEL_GEMV_AVX2_ROWS: usize = 4;
 
-/// Panel blocks ahead that a block's bytes are fetched (as the AVX-512 panel GEMV).
-const PREFETCH_BLOCKS: usize = 4;
-
 impl Panels {
     /// `out[b][r] = Σ_k x[b][k] · w[panel · PANEL + r][k]` for every activation row `b < batch`
     /// (row `b` of `x` at `b * x_stride`) and `r < PANEL`; `sums` is [`super::block_sums`] of
-    /// `x` (read by the 4-bit panels only). Passes of at most [`PANEL_GEMV_AVX2_ROWS`] rows,
-    /// sized evenly.
+    /// `x` (read by the 4-bit panels only). Passes of at most [`PANEL_GEMV_AVX2_ROWS`] rows
+    /// ([`Self::in_passes`]).
     pub fn product_avx2(&self, panel: usize, x: &[f32], x_stride: usize, sums: &[f32], batch: usize, out: &mut [f32]) {
-        let blocks = self.blocks_per_row();
-        let passes = batch.div_ceil(PANEL_GEMV_AVX2_ROWS);
-        let mut start = 0;
-        for pass in 0..passes {
-            let rows = (batch - start).div_ceil(passes - pass);
-            self.pass_avx2(
-                panel,
-                &x[start * x_stride..],
-                x_stride,
-                sums.get(start * blocks..).unwrap_or_default(),
-                rows,
-                &mut out[start * PANEL..(start + rows) * PANEL],
-            );
-            start += rows;
-        }
+        self.in_passes(
+            PANEL_GEMV_AVX2_ROWS,
+            x,
+            x_stride,
+            sums,
+            batch,
+            out,
+            |x, sums, rows, out| self.pass_avx2(panel, x, x_stride, sums, rows, out),
+        );
     }
 
     /// One pass of [`Self::product_avx2`]: `1..=PANEL_GEMV_AVX2_ROWS` activation rows.
     fn pass_avx2(&self, panel: usize, x: &[f32], x_stride: usize, sums: &[f32], batch: usize, out: &mut [f32]) {
         assert!(has_avx2());
-        assert!((1..=PANEL_GEMV_AVX2_ROWS).contains(&batch));
         let blocks = self.blocks_per_row();
-        let cols = blocks * 32;
-        assert!(fits(x.len(), strided_len(batch, x_stride, cols)));
-        assert!(self.kind() == Kind::Q8 || fits(sums.len(), batch.checked_mul(blocks)));
-        assert!(fits(out.len(), batch.checked_mul(PANEL)));
-        let source = self.blocks(panel, 0..blocks);
+        let source = self.pass_source(panel, PANEL_GEMV_AVX2_ROWS, x, x_stride, sums, batch, out);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2 present; `source` holds the panel's `blocks` blocks of its kind, `x` every
         // activation value read, `sums` every block sum read and `out` every result written
-        // (asserted above).
+        // (asserted by `pass_source`).
         unsafe {
             let (w, xp, sp, op) = (source.as_ptr(), x.as_ptr(), sums.as_ptr(), out.as_mut_ptr());
             for half in 0..2 {
@@ -86,20 +74,6 @@ impl Panels {
                 }
             }
         }
-    }
-}
-
-/// Fetches the block `PREFETCH_BLOCKS` after the one at `base` (`block_bytes` each), once per
-/// panel: by the first half's pass. A hint only: it never faults, so it may point past the panel.
-#[cfg(target_arch = "x86_64")]
-fn prefetch_ahead(base: *const u8, block_bytes: usize, half: usize) {
-    if half != 0 {
-        return;
-    }
-    let ahead = base.wrapping_add(PREFETCH_BLOCKS * block_bytes);
-    for line in 0..block_bytes.div_ceil(64) {
-        // SAFETY: a prefetch reads nothing architecturally and never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast()) };
     }
 }
 
@@ -141,7 +115,10 @@ unsafe fn q4_half<const M: usize, const C: usize>(
         let mut totals = [_mm256_setzero_ps(); M];
         for block in 0..blocks {
             let base = w.add(block * Q4_BLOCK);
-            prefetch_ahead(base, Q4_BLOCK, half);
+            if half == 0 {
+                // Once per panel: the second half finds the bytes in L1.
+                prefetch_ahead(base, Q4_BLOCK);
+            }
             let d = _mm256_cvtph_ps(_mm_loadu_si128(base.add(16 * half).cast()));
             let offset = _mm256_cvtph_ps(_mm_loadu_si128(base.add(SCALES + 16 * half).cast()));
             let nibbles = base.add(2 * SCALES + 8 * half);
@@ -192,7 +169,9 @@ unsafe fn q8_half<const M: usize, const C: usize>(
         let mut totals = [_mm256_setzero_ps(); M];
         for block in 0..blocks {
             let base = w.add(block * Q8_BLOCK);
-            prefetch_ahead(base, Q8_BLOCK, half);
+            if half == 0 {
+                prefetch_ahead(base, Q8_BLOCK);
+            }
             let d = _mm256_cvtph_ps(_mm_loadu_si128(base.add(16 * half).cast()));
             let values = base.add(SCALES + 8 * half);
             let mut chains = [[_mm256_setzero_ps(); C]; M];
