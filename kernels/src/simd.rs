@@ -1,7 +1,8 @@
-//! The crate's only `unsafe` (here and in its children [`gemv_q4_1`], [`panels`],
-//! [`panel_gemv`], [`panel_gemv_avx2`], [`amx`] and [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F
-//! one, an AMX one (with its own invariants, stated there), and the output handle that lets
-//! parallel tasks write disjoint columns of one matrix.
+//! The crate's only `unsafe` (here and in its children [`row_gemv`], [`packed_gemm`],
+//! [`gemv_q4_1`], [`panels`], [`panel_gemv`], [`panel_gemv_avx2`], [`amx`] and
+//! [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F one, an AMX one (with its own
+//! invariants, stated there), and the output handle that lets parallel tasks write disjoint
+//! columns of one matrix.
 //!
 //! Invariants, checked where each function is entered from safe code:
 //! - Every `#[target_feature]` function is called only after [`has_avx2`] (for `avx512f`
@@ -27,16 +28,20 @@ use rivulet_gguf::GgmlType;
 mod amx;
 mod gemv_q4_1;
 mod grouped_heads;
+mod packed_gemm;
 mod panel_gemv;
 mod panel_gemv_avx2;
 mod panels;
 mod peak;
+mod row_gemv;
 pub use amx::{has_amx, SplitActivations, Tiles};
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
 pub use grouped_heads::{score_keys, weighted_rows};
+pub use packed_gemm::{gemm_panel_avx2, pack_panel_avx2};
 pub use panel_gemv::{block_sums, PANEL_GEMV_ROWS};
 pub use panels::Panels;
 pub use peak::fma_peak_gflops_on;
+pub use row_gemv::{gemv_decodes, gemv_rows_avx2, GEMV_MAX_BATCH};
 
 /// Whether this CPU runs the AVX2 paths (detected once; `RIVULET_KERNELS_PORTABLE=1` forces the
 /// portable code, to test and measure it).
@@ -211,205 +216,7 @@ unsafe fn decode_avx2_unchecked(format: GgmlType, data: *const u8, out: *mut f32
     }
 }
 
-/// Batches up to this size take the fused row path ([`gemv_rows_avx2`]).
-pub const GEMV_MAX_BATCH: usize = 8;
-
-/// Formats the fused row path decodes in registers.
-pub fn gemv_decodes(format: GgmlType) -> bool {
-    matches!(format, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::F16)
-}
-
-/// `out[r * batch + b] = Σ_k w_r[k] · x[b][k]` for `rows` weight rows (row `r` at
-/// `r * row_bytes` in `data`, `cols` values of `format`, whole 32-value blocks) and
-/// `batch ≤ GEMV_MAX_BATCH` activation rows (row `b` at `b * x_stride`). Each block is decoded
-/// into registers and used at once — nothing is stored — so a small batch costs little more than
-/// reading the quantized bytes.
-#[allow(clippy::too_many_arguments)]
-pub fn gemv_rows_avx2(
-    format: GgmlType,
-    data: &[u8],
-    row_bytes: usize,
-    rows: usize,
-    cols: usize,
-    x: &[f32],
-    x_stride: usize,
-    batch: usize,
-    out: &mut [f32],
-) {
-    assert!(has_avx2() && gemv_decodes(format));
-    assert!(cols.is_multiple_of(32) && (1..=GEMV_MAX_BATCH).contains(&batch));
-    assert!(fits(out.len(), rows.checked_mul(batch)));
-    let (block_elems, block_bytes) = format.block_layout();
-    let row_len = cols / block_elems as usize * block_bytes as usize;
-    assert!(row_bytes >= row_len && fits(data.len(), strided_len(rows, row_bytes, row_len)));
-    assert!(cols <= x_stride && fits(x.len(), strided_len(batch, x_stride, cols)));
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX2 present; `data` holds every row's blocks, `x` every activation row read,
-    // `out` every result written (asserted above).
-    unsafe {
-        let (w, x, out) = (data.as_ptr(), x.as_ptr(), out.as_mut_ptr());
-        // One instantiation per format, so that no format test is left in the inner loop.
-        match format {
-            GgmlType::Q4_0 => gemv_all_rows::<TAG_Q4_0>(w, row_bytes, rows, cols, x, x_stride, batch, out),
-            GgmlType::Q4_1 => gemv_all_rows::<TAG_Q4_1>(w, row_bytes, rows, cols, x, x_stride, batch, out),
-            GgmlType::Q8_0 => gemv_all_rows::<TAG_Q8_0>(w, row_bytes, rows, cols, x, x_stride, batch, out),
-            _ => gemv_all_rows::<TAG_F16>(w, row_bytes, rows, cols, x, x_stride, batch, out),
-        }
-    }
-}
-
-/// Formats of [`decode_block32`], as const generic tags.
-const TAG_Q4_0: u8 = 0;
-const TAG_Q4_1: u8 = 1;
-const TAG_Q8_0: u8 = 2;
-const TAG_F16: u8 = 3;
-
-/// [`gemv_rows_avx2`]'s body for the format `F`, in groups of rows that suit the batch.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemv_all_rows<const F: u8>(
-    w: *const u8,
-    row_bytes: usize,
-    rows: usize,
-    cols: usize,
-    x: *const f32,
-    x_stride: usize,
-    batch: usize,
-    out: *mut f32,
-) {
-    // SAFETY (whole body): as for `gemv_rows`, for every group of rows (caller).
-    unsafe {
-        // One or two activation rows take two weight rows together: more independent
-        // accumulators to hide the FMA latency (4 cycles on Zen 3). Four rows measured no better
-        // (register spills).
-        let mut row = 0;
-        while row < rows {
-            let w = w.add(row * row_bytes);
-            let out = out.add(row * batch);
-            row += match (rows - row, batch) {
-                (2.., 1) => gemv_rows::<F, 2, 1>(w, row_bytes, cols, x, x_stride, out),
-                (2.., 2) => gemv_rows::<F, 2, 2>(w, row_bytes, cols, x, x_stride, out),
-                (_, 1) => gemv_rows::<F, 1, 1>(w, row_bytes, cols, x, x_stride, out),
-                (_, 2) => gemv_rows::<F, 1, 2>(w, row_bytes, cols, x, x_stride, out),
-                (_, 3) => gemv_rows::<F, 1, 3>(w, row_bytes, cols, x, x_stride, out),
-                (_, 4) => gemv_rows::<F, 1, 4>(w, row_bytes, cols, x, x_stride, out),
-                (_, 5) => gemv_rows::<F, 1, 5>(w, row_bytes, cols, x, x_stride, out),
-                (_, 6) => gemv_rows::<F, 1, 6>(w, row_bytes, cols, x, x_stride, out),
-                (_, 7) => gemv_rows::<F, 1, 7>(w, row_bytes, cols, x, x_stride, out),
-                _ => gemv_rows::<F, 1, 8>(w, row_bytes, cols, x, x_stride, out),
-            };
-        }
-    }
-}
-
-/// 32 values of block `block` of a row, decoded into four vectors.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn decode_block32<const F: u8>(row: *const u8, block: usize) -> [__m256; 4] {
-    // SAFETY (whole body): block `block` lies in `row` (caller).
-    unsafe {
-        match F {
-            TAG_Q4_0 | TAG_Q4_1 => {
-                let with_min = F == TAG_Q4_1;
-                let (block_bytes, quants_at) = if with_min { (20, 4) } else { (18, 2) };
-                let base = row.add(block * block_bytes);
-                let d = f16_scalar(base);
-                let offset = if with_min { f16_scalar(base.add(2)) } else { -8.0 * d };
-                let (scale, offset) = (_mm256_set1_ps(d), _mm256_set1_ps(offset));
-                let low_mask = _mm_set1_epi8(0x0F);
-                let q = _mm_loadu_si128(base.add(quants_at).cast());
-                let low = _mm_and_si128(q, low_mask);
-                let high = _mm_and_si128(_mm_srli_epi16(q, 4), low_mask);
-                let widen =
-                    |bytes: __m128i| _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), scale, offset);
-                [
-                    widen(low),
-                    widen(_mm_srli_si128(low, 8)),
-                    widen(high),
-                    widen(_mm_srli_si128(high, 8)),
-                ]
-            }
-            TAG_Q8_0 => {
-                let base = row.add(block * 34);
-                let scale = _mm256_set1_ps(f16_scalar(base));
-                let widen = |i: usize| {
-                    let bytes = _mm_loadl_epi64(base.add(2 + 8 * i).cast());
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale)
-                };
-                [widen(0), widen(1), widen(2), widen(3)]
-            }
-            _ => {
-                // F16 (gemv_decodes was checked).
-                let base = row.add(block * 64);
-                let widen = |i: usize| _mm256_cvtph_ps(_mm_loadu_si128(base.add(16 * i).cast()));
-                [widen(0), widen(1), widen(2), widen(3)]
-            }
-        }
-    }
-}
-
-/// `R` weight rows × `B` activation rows; returns `R`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gemv_rows<const F: u8, const R: usize, const B: usize>(
-    rows: *const u8,
-    row_bytes: usize,
-    cols: usize,
-    x: *const f32,
-    x_stride: usize,
-    out: *mut f32,
-) -> usize {
-    // SAFETY (whole body): `rows` holds `R` rows of `cols / 32` blocks `row_bytes` apart, each
-    // of the `B` activation rows `cols` values, and `out` `R · B` results (caller).
-    unsafe {
-        // Up to 4 (row, activation row) pairs, two accumulators each (even and odd quarters of
-        // a block) halve the FMA dependency chain; above, one each, so that all stay in 16
-        // registers.
-        let split = R * B <= 4;
-        let mut even = [[_mm256_setzero_ps(); B]; R];
-        let mut odd = [[_mm256_setzero_ps(); B]; R];
-        let block_bytes = match F {
-            TAG_Q4_0 => 18,
-            TAG_Q4_1 => 20,
-            TAG_Q8_0 => 34,
-            _ => 64,
-        };
-        for block in 0..cols / 32 {
-            for r in 0..R {
-                // The hardware prefetcher alone left one- and two-row batches waiting on memory
-                // (Q8_0 at batch 1 ~1.5x slower without this); 1 KiB ahead measured best of
-                // 512/1024/2048. A hint only (it never faults), so it may point past the data.
-                _mm_prefetch::<_MM_HINT_T0>(rows.wrapping_add(r * row_bytes + block * block_bytes + 1024).cast());
-                let w = decode_block32::<F>(rows.add(r * row_bytes), block);
-                for b in 0..B {
-                    let xs = x.add(b * x_stride + block * 32);
-                    let (even, odd) = (&mut even[r][b], &mut odd[r][b]);
-                    *even = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xs), *even);
-                    if split {
-                        *odd = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xs.add(8)), *odd);
-                    } else {
-                        *even = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xs.add(8)), *even);
-                    }
-                    *even = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xs.add(16)), *even);
-                    if split {
-                        *odd = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xs.add(24)), *odd);
-                    } else {
-                        *even = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xs.add(24)), *even);
-                    }
-                }
-            }
-        }
-        for r in 0..R {
-            for b in 0..B {
-                *out.add(r * B + b) = hsum(_mm256_add_ps(even[r][b], odd[r][b]));
-            }
-        }
-        R
-    }
-}
-
+/// The sum of a vector's eight lanes (the row paths' and the attention kernels' last step).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn hsum(v: __m256) -> f32 {
@@ -441,131 +248,9 @@ fn prefetch_lines<const HINT: i32, T>(data: &[T]) {
     }
 }
 
-/// Weight rows per panel of the packed kernel ([`gemm_panel_avx2`]): two vectors.
+/// Weight rows per panel: the rows of every [`Panels`] panel, and two AVX2 vectors of the packed
+/// kernel ([`gemm_panel_avx2`]).
 pub const PANEL: usize = 16;
-
-/// Transposes a panel of decoded weights, `PANEL` rows of `len` values (row `r` at
-/// `r * stride`), into `packed[k * PANEL + r]`, so that the kernel reads one contiguous run of
-/// 16 weights per column `k`.
-pub fn pack_panel_avx2(rows: &[f32], stride: usize, len: usize, packed: &mut [f32]) {
-    assert!(has_avx2());
-    assert!(len <= stride && fits(rows.len(), strided_len(PANEL, stride, len)));
-    assert!(fits(packed.len(), len.checked_mul(PANEL)));
-    let vector_len = len / 8 * 8;
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX2 present; every 8×8 block read lies in `rows` (k + 8 <= len <= stride) and
-    // every write in `packed` (asserted above).
-    unsafe {
-        for k in (0..vector_len).step_by(8) {
-            for half in 0..2 {
-                let src = rows.as_ptr().add(half * 8 * stride + k);
-                let dst = packed.as_mut_ptr().add(k * PANEL + half * 8);
-                transpose_8x8(src, stride, dst, PANEL);
-            }
-        }
-    }
-    for k in vector_len..len {
-        for r in 0..PANEL {
-            packed[k * PANEL + r] = rows[r * stride + k];
-        }
-    }
-}
-
-/// `dst[i * dst_stride + j] = src[j * src_stride + i]` for an 8×8 block.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn transpose_8x8(src: *const f32, src_stride: usize, dst: *mut f32, dst_stride: usize) {
-    // SAFETY (whole body): 8 rows of 8 values at `src` and at `dst` (caller).
-    unsafe {
-        let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(src.add(i * src_stride)));
-        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-        let columns = [
-            _mm256_permute2f128_ps::<0x20>(u0, u4),
-            _mm256_permute2f128_ps::<0x20>(u1, u5),
-            _mm256_permute2f128_ps::<0x20>(u2, u6),
-            _mm256_permute2f128_ps::<0x20>(u3, u7),
-            _mm256_permute2f128_ps::<0x31>(u0, u4),
-            _mm256_permute2f128_ps::<0x31>(u1, u5),
-            _mm256_permute2f128_ps::<0x31>(u2, u6),
-            _mm256_permute2f128_ps::<0x31>(u3, u7),
-        ];
-        for (i, column) in columns.into_iter().enumerate() {
-            _mm256_storeu_ps(dst.add(i * dst_stride), column);
-        }
-    }
-}
-
-/// `c[b][j] += Σ_k x[b][k] · packed[k][j]` for `j < PANEL`, `k < len` and every activation row
-/// `b < batch` (row `b` of `x` at `b * x_stride`); `c` is `[batch][PANEL]`.
-///
-/// The register block is 6 activation rows × 16 weight rows: 12 accumulators, and per column
-/// two weight loads and six broadcasts for twelve FMAs, with no horizontal sums.
-pub fn gemm_panel_avx2(packed: &[f32], len: usize, x: &[f32], x_stride: usize, batch: usize, c: &mut [f32]) {
-    assert!(has_avx2());
-    assert!(fits(packed.len(), len.checked_mul(PANEL)) && fits(c.len(), batch.checked_mul(PANEL)));
-    assert!(batch == 0 || (len <= x_stride && fits(x.len(), strided_len(batch, x_stride, len))));
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX2 present; every read lies in `packed` / `x` and every write in `c` (asserted).
-    unsafe {
-        let (w, xp, cp) = (packed.as_ptr(), x.as_ptr(), c.as_mut_ptr());
-        // Blocks of at most 6 rows, sized evenly (32 = 6+6+5+5+5+5, not 6·5+2): a block of one
-        // or two rows has too few accumulators to hide the FMA latency and runs at half speed.
-        let blocks = batch.div_ceil(6);
-        let mut b = 0;
-        for block in 0..blocks {
-            let rows = (batch - b).div_ceil(blocks - block);
-            let (xs, cs) = (xp.add(b * x_stride), cp.add(b * PANEL));
-            match rows {
-                1 => gemm_block::<1>(w, len, xs, x_stride, cs),
-                2 => gemm_block::<2>(w, len, xs, x_stride, cs),
-                3 => gemm_block::<3>(w, len, xs, x_stride, cs),
-                4 => gemm_block::<4>(w, len, xs, x_stride, cs),
-                5 => gemm_block::<5>(w, len, xs, x_stride, cs),
-                _ => gemm_block::<6>(w, len, xs, x_stride, cs),
-            }
-            b += rows;
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn gemm_block<const M: usize>(w: *const f32, len: usize, x: *const f32, x_stride: usize, c: *mut f32) {
-    // SAFETY (whole body): `w` holds `len · PANEL` values, each of the `M` rows of `x` `len`,
-    // and `c` `M · PANEL` (caller).
-    unsafe {
-        let mut low: [__m256; M] = std::array::from_fn(|i| _mm256_loadu_ps(c.add(i * PANEL)));
-        let mut high: [__m256; M] = std::array::from_fn(|i| _mm256_loadu_ps(c.add(i * PANEL + 8)));
-        for k in 0..len {
-            let w0 = _mm256_loadu_ps(w.add(k * PANEL));
-            let w1 = _mm256_loadu_ps(w.add(k * PANEL + 8));
-            for i in 0..M {
-                let xv = _mm256_broadcast_ss(&*x.add(i * x_stride + k));
-                low[i] = _mm256_fmadd_ps(w0, xv, low[i]);
-                high[i] = _mm256_fmadd_ps(w1, xv, high[i]);
-            }
-        }
-        for i in 0..M {
-            _mm256_storeu_ps(c.add(i * PANEL), low[i]);
-            _mm256_storeu_ps(c.add(i * PANEL + 8), high[i]);
-        }
-    }
-}
 
 /// `Σ a[i]·b[i]` (AVX2 when present).
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
