@@ -1,7 +1,8 @@
 //! The packed path: a panel of decoded weights transposed so that each column's 16 weights are
 //! one run, then multiplied by every activation row in register blocks of 6 rows × 16 weights
-//! (AVX2 + FMA). Steps of 9 or more tokens take it. Part of [`super`]'s `unsafe`, under its
-//! invariants.
+//! (AVX2 + FMA). Steps too large for the row and panel GEMVs take it, and every step on a format
+//! those do not decode (the K-quants, Q5_0/Q5_1, BF16, F32). Part of [`super`]'s `unsafe`, under
+//! its invariants.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;

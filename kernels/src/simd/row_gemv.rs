@@ -1,6 +1,8 @@
 //! The fused row path: a few activation rows times GGUF's row-major blocks, each block decoded
-//! into registers and used at once (AVX2 + FMA + F16C). Steps of up to [`GEMV_MAX_BATCH`] tokens
-//! on formats without panels take it. Part of [`super`]'s `unsafe`, under its invariants.
+//! into registers and used at once (AVX2 + FMA + F16C). Where a matrix has no panels, steps of up
+//! to [`GEMV_MAX_BATCH`] tokens on the formats it decodes ([`gemv_decodes`]) take it (Q4_1 at one
+//! or two tokens takes [`super::gemv_q4_1`] instead). Part of [`super`]'s `unsafe`, under its
+//! invariants.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
