@@ -6,8 +6,11 @@
 #   bench/cuda.sh BIN_DIR MODEL.gguf OUT_DIR [CLIENTS...]
 #
 # BIN_DIR holds rivulet-scheduler, rivulet-worker, rivulet-bench, rivulet-worker-bench and the
-# CUDA test binary (`cuda-*`, from `cargo test --release -p rivulet-worker --test cuda --no-run`).
-# Runs, in order: the test (bf16 on the GPU against f32 on the CPU), the worker bench on cuda:0
+# CUDA test binary (`cuda-*`, from `cargo test --release -p rivulet-worker --test cuda --no-run`),
+# and optionally the worker's unit-test binary (`rivulet_worker-*`, from `cargo test --release -p
+# rivulet-worker --lib --no-run`), whose `_on_cuda` tests then run too (the libtorch sampler on
+# the GPU against the CPU kernels' rows).
+# Runs, in order: the tests (bf16 on the GPU against f32 on the CPU), the worker bench on cuda:0
 # (decode batches 1, 32, 256, 1024 at context 256), then rivulet-bench through a scheduler with one
 # worker on cuda:0 at each client count (default 1 32 256 1024; 128-token random prompts, 128
 # greedy tokens, ignore_eos), with the scheduler's own step timings. Figures land in OUT_DIR.
@@ -31,6 +34,12 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 echo "== worker/tests/cuda.rs"
 # The test looks for the model in its checkout; point it here instead.
 (cd "$BIN" && RIVULET_TEST_MODEL="$MODEL" "$BIN"/cuda-* --nocapture 2>&1 | tee "$OUT/cuda_test.log")
+
+for unit_tests in "$BIN"/rivulet_worker-*; do
+    [ -x "$unit_tests" ] || continue
+    echo "== $(basename "$unit_tests") on_cuda"
+    "$unit_tests" on_cuda --nocapture 2>&1 | tee -a "$OUT/cuda_test.log"
+done
 
 for bench in rivulet-worker-bench-before rivulet-worker-bench; do
     [ -x "$BIN/$bench" ] || continue
@@ -56,6 +65,11 @@ for configuration in "${configurations[@]}"; do
         "$BIN/rivulet-scheduler" >"$OUT/scheduler-$label.log" 2>&1 &
     scheduler=$!
     "$BIN/rivulet-bench" wait-ready --timeout-secs 180 || { tail -30 "$OUT/scheduler-$label.log"; kill $scheduler; continue; }
+    # Sampled rather than greedy (temperature 1, top-p 0.9): the libtorch sampler's every stage.
+    "$BIN/rivulet-bench" run --tokenizer "$MODEL" --num-prompts 64 --max-concurrency 32 \
+        --random-input-len 128 --random-output-len 128 --ignore-eos --no-progress --temperature 1 --top-p 0.9 \
+        --admin-url http://127.0.0.1:50052 --label "$label 32 clients sampled" --json "$OUT/bench.jsonl" \
+        >>"$OUT/bench.log" 2>&1
     for clients in "${CLIENTS[@]}"; do
         prompts=$((clients * 2 < 16 ? 16 : clients * 2))
         "$BIN/rivulet-bench" run --tokenizer "$MODEL" --num-prompts "$prompts" --max-concurrency "$clients" \

@@ -156,8 +156,9 @@ mod tests {
     use rand::{Rng, SeedableRng};
     use tch::{Device, Kind};
 
-    /// The libtorch sampler on the same rows, as the CUDA engine runs it.
-    fn libtorch(logits: &[f32], vocab: usize, requests: &[RowRequest<'_>]) -> Sampled {
+    /// The libtorch sampler on the same rows, on `device`, as the CUDA engine runs it; its
+    /// results come back to the host.
+    fn libtorch(logits: &[f32], vocab: usize, requests: &[RowRequest<'_>], device: Device) -> Sampled {
         let rows: Vec<SeqSampling> = requests.iter().map(|r| r.params).collect();
         let (mut history_rows, mut tokens, mut generated) = (Vec::new(), Vec::new(), Vec::new());
         for (row, request) in requests.iter().enumerate() {
@@ -168,13 +169,22 @@ mod tests {
             }
         }
         let history = (!tokens.is_empty()).then(|| PenaltyHistory {
-            rows: Tensor::from_slice(&history_rows),
-            tokens: Tensor::from_slice(&tokens),
-            generated: Tensor::from_slice(&generated),
+            rows: Tensor::from_slice(&history_rows).to_device(device),
+            tokens: Tensor::from_slice(&tokens).to_device(device),
+            generated: Tensor::from_slice(&generated).to_device(device),
         });
-        let batch = SamplingBatch::from_rows(&rows, history, Device::Cpu).expect("batch");
-        let logits = Tensor::from_slice(logits).view([requests.len() as i64, vocab as i64]);
-        sample(&logits, &batch)
+        let batch = SamplingBatch::from_rows(&rows, history, device).expect("batch");
+        let logits = Tensor::from_slice(logits)
+            .view([requests.len() as i64, vocab as i64])
+            .to_device(device);
+        let sampled = sample(&logits, &batch);
+        let to_host = |tensor: Tensor| tensor.to_device(Device::Cpu);
+        Sampled {
+            tokens: to_host(sampled.tokens),
+            logprobs: to_host(sampled.logprobs),
+            top_ids: sampled.top_ids.map(to_host),
+            top_values: sampled.top_values.map(to_host),
+        }
     }
 
     fn values<T: tch::kind::Element>(tensor: &Tensor) -> Vec<T>
@@ -200,6 +210,22 @@ mod tests {
 
     #[test]
     fn every_kind_of_row_chooses_what_libtorchs_sampler_chooses() {
+        every_kind_of_row_matches_libtorch_on(Device::Cpu);
+    }
+
+    /// The CUDA engine samples with libtorch on the GPU (whose reductions and scans sum in
+    /// another order): the same rows choose the same tokens there. Skipped, saying so, without a
+    /// GPU; `bench/cuda.sh` runs it on one.
+    #[test]
+    fn every_kind_of_row_chooses_what_libtorchs_sampler_chooses_on_cuda() {
+        if !tch::Cuda::is_available() {
+            eprintln!("skipped: no CUDA device");
+            return;
+        }
+        every_kind_of_row_matches_libtorch_on(Device::Cuda(0));
+    }
+
+    fn every_kind_of_row_matches_libtorch_on(device: Device) {
         let (vocab, rows) = (5_003usize, 48usize);
         let mut rng = StdRng::seed_from_u64(5);
         for round in 0..4 {
@@ -231,7 +257,7 @@ mod tests {
                 })
                 .collect();
             let ours = sample_rows(&logits, vocab, &requests, 3);
-            let theirs = libtorch(&logits, vocab, &requests);
+            let theirs = libtorch(&logits, vocab, &requests, device);
             assert_eq!(ours.tokens, values::<i64>(&theirs.tokens), "round {round}");
             for (a, b) in ours.logprobs.iter().zip(values::<f32>(&theirs.logprobs)) {
                 assert!((a - b).abs() < 1e-4, "logprob {a} vs {b}");
