@@ -115,7 +115,11 @@ pub struct WorkerConfig {
 pub struct SchedulerConfig {
     /// Sequences in one iteration at most.
     pub max_num_seqs: u32,
-    /// Tokens in one iteration at most (decode tokens plus prefill chunks).
+    /// Tokens in one iteration at most (decode tokens plus prefill chunks). Every token of a
+    /// step finishes with the step, so a burst of prompts gets its first tokens in budget-sized
+    /// waves: on a CPU (~0.7 ms a prefill token on 2 cores of a Zen 5) 256 answers the first half
+    /// of 32 short prompts after one ~180 ms step instead of all of them after one of ~340 ms,
+    /// and keeps running decodes from stalling behind long prefill steps; a GPU wants thousands.
     pub max_num_batched_tokens: u32,
     /// `max_new_tokens` for requests that do not set it.
     pub default_max_new_tokens: u32,
@@ -183,7 +187,7 @@ impl Default for Config {
             },
             scheduler: SchedulerConfig {
                 max_num_seqs: 64,
-                max_num_batched_tokens: 512,
+                max_num_batched_tokens: 256,
                 default_max_new_tokens: 16,
                 max_queued_requests: 1024,
                 default_stop_strings: Vec::new(),
