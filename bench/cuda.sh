@@ -55,6 +55,15 @@ export RIVULET_WORKER__KV_CACHE_MEMORY_FRACTION=0.5
 export RIVULET_SCHEDULER__MAX_NUM_SEQS=1024
 export RIVULET_SCHEDULER__MAX_NUM_BATCHED_TOKENS=8192
 export RIVULET_SCHEDULER__MAX_QUEUED_REQUESTS=4096
+# serve CLIENTS LABEL [rivulet-bench flags...]: 128-token random prompts, twice as many as clients
+# (16 at least), 128 tokens each, through the scheduler running now.
+serve() {
+    local clients=$1 label=$2
+    shift 2
+    "$BIN/rivulet-bench" run --tokenizer "$MODEL" --num-prompts $((clients * 2 < 16 ? 16 : clients * 2)) \
+        --max-concurrency "$clients" --random-input-len 128 --random-output-len 128 --ignore-eos --no-progress \
+        --admin-url http://127.0.0.1:50052 --label "$label" --json "$OUT/bench.jsonl" "$@" >>"$OUT/bench.log" 2>&1
+}
 # Each configuration: a label, the worker binary, `worker.cuda_graphs`.
 configurations=("eager rivulet-worker false" "graphs rivulet-worker true")
 [ -x "$BIN/rivulet-worker-before" ] && configurations=("before rivulet-worker-before true" "${configurations[@]}")
@@ -66,16 +75,9 @@ for configuration in "${configurations[@]}"; do
     scheduler=$!
     "$BIN/rivulet-bench" wait-ready --timeout-secs 180 || { tail -30 "$OUT/scheduler-$label.log"; kill $scheduler; continue; }
     # Sampled rather than greedy (temperature 1, top-p 0.9): the libtorch sampler's every stage.
-    "$BIN/rivulet-bench" run --tokenizer "$MODEL" --num-prompts 64 --max-concurrency 32 \
-        --random-input-len 128 --random-output-len 128 --ignore-eos --no-progress --temperature 1 --top-p 0.9 \
-        --admin-url http://127.0.0.1:50052 --label "$label 32 clients sampled" --json "$OUT/bench.jsonl" \
-        >>"$OUT/bench.log" 2>&1
+    serve 32 "$label 32 clients sampled" --temperature 1 --top-p 0.9
     for clients in "${CLIENTS[@]}"; do
-        prompts=$((clients * 2 < 16 ? 16 : clients * 2))
-        "$BIN/rivulet-bench" run --tokenizer "$MODEL" --num-prompts "$prompts" --max-concurrency "$clients" \
-            --random-input-len 128 --random-output-len 128 --ignore-eos --no-progress \
-            --admin-url http://127.0.0.1:50052 --label "$label ${clients} clients" --json "$OUT/bench.jsonl" \
-            >>"$OUT/bench.log" 2>&1
+        serve "$clients" "$label ${clients} clients"
     done
     kill $scheduler
     wait $scheduler 2>/dev/null
