@@ -7,7 +7,9 @@
 //! AMX, steps of [`AMX_MIN_BATCH`] rows or more multiply the panels on the tiles instead
 //! (`simd::amx`: exact quants times activations split into three bf16 parts, f32 sums). With
 //! AVX2, up to [`PANEL_GEMV_AVX2_MAX_BATCH`] activation rows multiply the panels decoded in
-//! registers too, half a panel to a register (`simd::panel_gemv_avx2`); from 9 rows on each task
+//! registers too, half a panel to a register (`simd::panel_gemv_avx2`), and one row of a 4-bit
+//! matrix multiplies the panels with integer instructions, its values split into three 8-bit
+//! digits that keep f32's precision (`simd::panel_digits_avx2`); from 9 rows on each task
 //! decodes a panel of 16 weight rows, a tile of columns at a time, into an L1-resident `[k][16]`
 //! f32 buffer — exactly GGUF's dequantization — and a register-blocked FMA kernel multiplies it
 //! against every activation row, so each weight is read and decoded once per step whatever the
@@ -300,6 +302,14 @@ impl WeightMatrix {
             Path::PanelAmx => simd::SplitActivations::new(x, self.cols, batch, self.cols),
             _ => simd::SplitActivations::default(),
         };
+        // One 4-bit row on AVX2 multiplies its 8-bit digits with integer instructions instead
+        // (`simd::panel_digits_avx2`), unless a value is not finite.
+        let digits = match path {
+            Path::PanelGemvAvx2 if batch == 1 && self.format != GgmlType::Q8_0 && simd::digits_enabled() => {
+                simd::ActivationDigits::new(&x[..self.cols])
+            }
+            _ => None,
+        };
         (0..units.div_ceil(per_task)).into_par_iter().for_each(|task| {
             let first = task * per_task * unit;
             let last = ((task + 1) * per_task * unit).min(self.rows);
@@ -366,14 +376,22 @@ impl WeightMatrix {
                         scratch.sums.resize(batch * simd::PANEL, 0.0);
                         for panel in (first..last).step_by(simd::PANEL) {
                             let rows = simd::PANEL.min(last - panel);
-                            panels.product_avx2(
-                                panel / simd::PANEL,
-                                x,
-                                self.cols,
-                                &block_sums,
-                                batch,
-                                &mut scratch.sums,
-                            );
+                            match &digits {
+                                Some(digits) => panels.product_digits_avx2(
+                                    panel / simd::PANEL,
+                                    digits,
+                                    &block_sums,
+                                    &mut scratch.sums,
+                                ),
+                                None => panels.product_avx2(
+                                    panel / simd::PANEL,
+                                    x,
+                                    self.cols,
+                                    &block_sums,
+                                    batch,
+                                    &mut scratch.sums,
+                                ),
+                            }
                             output.store_rows(0..batch, first_column + panel, rows, &scratch.sums, simd::PANEL);
                         }
                     }

@@ -1,5 +1,5 @@
 //! The crate's only `unsafe` (here and in its children [`row_gemv`], [`packed_gemm`],
-//! [`gemv_q4_1`], [`panels`], [`panel_gemv`], [`panel_gemv_avx2`], [`amx`] and
+//! [`gemv_q4_1`], [`panels`], [`panel_gemv`], [`panel_gemv_avx2`], [`panel_digits_avx2`], [`amx`] and
 //! [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F one, an AMX one (with its own
 //! invariants, stated there), and the output handle that lets parallel tasks write disjoint
 //! columns of one matrix.
@@ -29,6 +29,7 @@ mod amx;
 mod gemv_q4_1;
 mod grouped_heads;
 mod packed_gemm;
+mod panel_digits_avx2;
 mod panel_gemv;
 mod panel_gemv_avx2;
 mod panels;
@@ -38,6 +39,7 @@ pub use amx::{has_amx, SplitActivations, Tiles};
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
 pub use grouped_heads::{score_keys, weighted_rows};
 pub use packed_gemm::{gemm_panel_avx2, pack_panel_avx2};
+pub use panel_digits_avx2::ActivationDigits;
 pub use panel_gemv::{block_sums, PANEL_GEMV_ROWS};
 pub use panels::Panels;
 pub use peak::fma_peak_gflops_on;
@@ -61,6 +63,14 @@ pub fn has_avx2() -> bool {
             false
         }
     })
+}
+
+/// Whether one 4-bit row on AVX2 multiplies its 8-bit digits ([`panel_digits_avx2`]);
+/// `RIVULET_KERNELS_NO_DIGITS=1` keeps it on the f32 panel GEMV (to compare them).
+pub fn digits_enabled() -> bool {
+    use std::sync::OnceLock;
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var_os("RIVULET_KERNELS_NO_DIGITS").is_none())
 }
 
 /// Whether this CPU also runs the AVX-512 paths ([`panel_gemv`]); detected once, and
