@@ -314,6 +314,51 @@ mod tests {
             }
         }
         assert!(ActivationDigits::new(&[f32::NAN; 32]).is_none());
+        assert!(ActivationDigits::new(&[0.5, f32::INFINITY].repeat(16)).is_none());
         assert!(ActivationDigits::new(&[0.0; 31]).is_none());
+    }
+
+    /// A Q4_1 panel times rows shaped like a model's activations (a few values 100× the rest, a
+    /// block of zeros) against GGUF's scalar dequantization and an f64 product, to the f32
+    /// kernels' tolerance.
+    #[test]
+    fn products_match_dequantize_then_f64() {
+        if !has_avx2() {
+            return;
+        }
+        let (rows, blocks) = (16, 5);
+        let mut data = Vec::new();
+        for i in 0..rows * blocks {
+            let scale = half::f16::from_f32(0.002 + 0.0001 * (i % 7) as f32);
+            let minimum = half::f16::from_f32(-0.015 * (1.0 + (i % 3) as f32));
+            data.extend(scale.to_le_bytes());
+            data.extend(minimum.to_le_bytes());
+            data.extend((0..16).map(|k| ((i * 31 + k * 17) % 256) as u8));
+        }
+        let panels = Panels::new(rivulet_gguf::GgmlType::Q4_1, &data, rows, blocks, blocks * 20).expect("Q4_1 panels");
+        let mut dense = Vec::new();
+        rivulet_gguf::dequant::dequantize_append(rivulet_gguf::GgmlType::Q4_1, &data, &mut dense).expect("Q4_1");
+        let cols = blocks * 32;
+        for spread in [1.0f32, 100.0, 1e-3] {
+            let mut x: Vec<f32> = (0..cols)
+                .map(|k| ((k * 7919 % 211) as f32 / 105.0 - 1.0) * spread)
+                .collect();
+            x[5] *= 150.0;
+            x[70] *= -90.0;
+            x[96..128].fill(0.0);
+            let digits = ActivationDigits::new(&x).expect("finite");
+            let sums = crate::simd::block_sums(&x, cols, 1, cols);
+            let mut out = [0f32; PANEL];
+            panels.product_digits_avx2(0, &digits, &sums, &mut out);
+            for (r, &got) in out.iter().enumerate() {
+                let terms = (0..cols).map(|k| f64::from(dense[r * cols + k]) * f64::from(x[k]));
+                let (exact, magnitude) = terms.fold((0.0, 0.0), |(e, m), t| (e + t, m + t.abs()));
+                let tolerance = 2e-6 * magnitude + 1e-6 * f64::from(spread);
+                assert!(
+                    (f64::from(got) - exact).abs() <= tolerance,
+                    "spread {spread} row {r}: {got} against {exact}"
+                );
+            }
+        }
     }
 }
