@@ -1,8 +1,8 @@
 //! The crate's only `unsafe` (here and in its children [`row_gemv`], [`packed_gemm`],
-//! [`gemv_q4_1`], [`panels`], [`panel_gemv`], [`panel_gemv_avx2`], [`panel_digits_avx2`], [`amx`] and
-//! [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F one, an AMX one (with its own
-//! invariants, stated there), and the output handle that lets parallel tasks write disjoint
-//! columns of one matrix.
+//! [`gemv_q4_1`], [`panels`], [`panel_gemv`], [`panel_gemv_avx2`], [`panel_digits_avx2`],
+//! [`amx`] and [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F one, an AMX one
+//! (with its own invariants, stated there), and the output handle that lets parallel tasks write
+//! disjoint columns of one matrix.
 //!
 //! Invariants, checked where each function is entered from safe code:
 //! - Every `#[target_feature]` function is called only after [`has_avx2`] (for `avx512f`
