@@ -391,8 +391,8 @@ mod tests {
 
     #[test]
     fn matches_dense_attention_through_scattered_blocks() {
-        // 12: the portable path; 16 and up: whole vectors (AVX2 or AVX-512 where the CPU has
-        // them); groups of 2 to 5.
+        // 12: the portable path; 8, 24 and 16 up: whole vectors (AVX2 or AVX-512 where the CPU
+        // has them); groups of 1 to 8 (each group size is its own instance of the SIMD loops).
         // Unsplit, and with every pair's keys split into parts of at least 2 or 3 keys (merged
         // by rescaling), as one or two decoding sequences are.
         let splits = [
@@ -400,7 +400,17 @@ mod tests {
             Split { tasks: 64, min_keys: 2 },
             Split { tasks: 24, min_keys: 3 },
         ];
-        for (heads, head_dim) in [(6, 12), (8, 16), (4, 32), (6, 64), (10, 128)] {
+        for (heads, head_dim) in [
+            (6, 12),
+            (8, 16),
+            (4, 32),
+            (6, 64),
+            (10, 128),
+            (2, 64),
+            (12, 8),
+            (14, 24),
+            (16, 16),
+        ] {
             for split in splits {
                 check_against_dense(heads, head_dim, split);
             }
