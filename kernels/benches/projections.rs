@@ -44,17 +44,16 @@ fn main() {
     let formats = std::env::args()
         .nth(3)
         .unwrap_or_else(|| "Q4_1,Q4_0,Q8_0,F16".to_owned());
-    // The whole run inside the pool, as the worker runs a step: the caller is one of the pool's
-    // threads, so a projection does not hand off to another thread and sleep until it is done.
+    // Each step runs inside this pool, as the worker runs one (see `run`).
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .start_handler(|_| rivulet_kernels::flush_subnormals_on_this_thread())
         .build()
         .expect("a thread pool");
-    pool.install(|| run(threads, &batches, &formats));
+    run(&pool, threads, &batches, &formats);
 }
 
-fn run(threads: usize, batches: &[usize], formats: &str) {
+fn run(pool: &rayon::ThreadPool, threads: usize, batches: &[usize], formats: &str) {
     let mut rng = StdRng::seed_from_u64(1);
     // One SmolLM2-135M layer: QKV, O, gate+up, down.
     let shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
@@ -105,13 +104,17 @@ fn run(threads: usize, batches: &[usize], formats: &str) {
                 .map(|&(_, cols)| (0..batch * cols).map(|_| rng.random_range(-1.0..1.0)).collect())
                 .collect();
             let mut outputs: Vec<Vec<f32>> = shapes.iter().map(|&(rows, _)| vec![0.0; batch * rows]).collect();
+            // A step runs as the worker runs one: inside the pool with its other threads kept
+            // awake (`install_awake`), so a projection does not hand off to a sleeping thread.
             let mut step = |isa: Isa| {
                 let start = Instant::now();
-                for layer in matrices.iter().cycle().take(layers) {
-                    for ((m, x), out) in layer.iter().zip(&inputs).zip(&mut outputs) {
-                        m.matmul_on(isa, x, batch, out).expect("shapes match");
+                rivulet_kernels::awake::install_awake(pool, || {
+                    for layer in matrices.iter().cycle().take(layers) {
+                        for ((m, x), out) in layer.iter().zip(&inputs).zip(outputs.iter_mut()) {
+                            m.matmul_on(isa, x, batch, out).expect("shapes match");
+                        }
                     }
-                }
+                });
                 start.elapsed().as_secs_f64()
             };
             // The portable path is for correctness and odd CPUs: one point of it past 8 rows
