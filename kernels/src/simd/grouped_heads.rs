@@ -190,9 +190,10 @@ const PREFETCH_L2_ROWS_AHEAD: usize = 64;
 /// loaded once for the whole group. The value rows at the same offsets are fetched into the
 /// caches on the way, for the weighted sum that follows ([`weighted_rows`]).
 ///
-/// Why one call for all the keys: scored one call per key ([`group_dots`], still the path without
-/// AVX-512), each key's sums were one chain of dependent FMAs, and a 32-sequence decode step spent
-/// ~11% of its time there; in one AVX-512 loop the keys' short chains overlap. With the AVX-512
+/// Why one call for all the keys: scored one call per key ([`group_dots`], still the path for
+/// shapes and CPUs the SIMD loops do not take), each key's sums were one chain of dependent FMAs,
+/// and a 32-sequence decode step spent ~11% of its time there; in one loop (AVX-512, or AVX2)
+/// the keys' short chains overlap. With the AVX-512
 /// weighted sum, on a Zen 5 EPYC (`rivulet-worker-bench`, runs alternating): a decode step of 32
 /// sequences at context 256 35.3 → 31.9 ms, 64 at 512 85 → 73 ms, a 512-token prefill 445 → 391.
 pub fn score_keys(
@@ -320,9 +321,11 @@ unsafe fn score_keys_avx512<const G: usize>(
 ///
 /// As the AVX-512 loop: one loop over every key, so that the keys' short FMA chains overlap.
 /// Called once per key ([`group_dots`]), a 32-sequence decode step at context 256 on a Zen 3
-/// EPYC spent ~12% of its time scoring keys. The group's `G` sums of a key are reduced together
-/// (a tree of horizontal adds over all heads, not `G` separate ones), which keeps the reduction
-/// below the FMAs.
+/// EPYC spent ~12% of its time scoring keys (8% after the loop with one key a pass). The
+/// group's `G` sums of a key (of two keys, for groups of up to 4) are reduced together: a tree
+/// of horizontal adds over all of them, not `G` separate ones. `rivulet-worker-bench`, 32
+/// sequences at context 512, three alternating runs: 125.8 ms per step before, 102.8 with one
+/// key a pass, 93.4 with two.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn score_keys_avx2<const G: usize>(
@@ -340,25 +343,38 @@ unsafe fn score_keys_avx2<const G: usize>(
             prefetch_rows::<_MM_HINT_T1>(keys, values, ahead, dim);
         }
         let scale = _mm256_set1_ps(scale);
-        for (t, &at) in offsets.iter().enumerate() {
-            if let Some(&ahead) = offsets.get(t + PREFETCH_L2_ROWS_AHEAD) {
-                prefetch_rows::<_MM_HINT_T1>(keys, values, ahead, dim);
-            }
-            if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
-                prefetch_rows::<_MM_HINT_T0>(keys, values, ahead, dim);
-            }
-            let row = keys.add(at);
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for c in (0..dim).step_by(8) {
-                let k = _mm256_loadu_ps(row.add(c));
-                for (g, a) in acc.iter_mut().enumerate().take(G) {
-                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(queries.add(g * dim + c)), k, *a);
+        // Groups of up to 4 heads score two keys a pass (key `t`'s sums in vectors 0..G, key
+        // `t + 1`'s in 4..4 + G): twice the independent FMA chains, and one reduction for both.
+        let per_pass = if G <= 4 { 2 } else { 1 };
+        let mut t = 0;
+        while t < offsets.len() {
+            let keys_now = per_pass.min(offsets.len() - t);
+            for ahead in t..t + keys_now {
+                if let Some(&ahead) = offsets.get(ahead + PREFETCH_L2_ROWS_AHEAD) {
+                    prefetch_rows::<_MM_HINT_T1>(keys, values, ahead, dim);
+                }
+                if let Some(&ahead) = offsets.get(ahead + PREFETCH_ROWS_AHEAD) {
+                    prefetch_rows::<_MM_HINT_T0>(keys, values, ahead, dim);
                 }
             }
-            let sums = _mm256_mul_ps(scale, sums_of_eight(&acc, G));
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (key, acc) in acc.chunks_exact_mut(4.max(G)).take(keys_now).enumerate() {
+                let row = keys.add(offsets[t + key]);
+                for c in (0..dim).step_by(8) {
+                    let k = _mm256_loadu_ps(row.add(c));
+                    for (g, a) in acc.iter_mut().enumerate().take(G) {
+                        *a = _mm256_fmadd_ps(_mm256_loadu_ps(queries.add(g * dim + c)), k, *a);
+                    }
+                }
+            }
+            let sums = _mm256_mul_ps(scale, sums_of_eight(&acc, 4 * keys_now.max(G.div_ceil(4))));
             let mut lanes = [0f32; 8];
             _mm256_storeu_ps(lanes.as_mut_ptr(), sums);
-            std::ptr::copy_nonoverlapping(lanes.as_ptr(), scores.add(t * G), G);
+            for key in 0..keys_now {
+                let from = lanes.as_ptr().add(key * 4.max(G));
+                std::ptr::copy_nonoverlapping(from, scores.add((t + key) * G), G);
+            }
+            t += keys_now;
         }
         true
     }
