@@ -193,9 +193,9 @@ const PREFETCH_L2_ROWS_AHEAD: usize = 64;
 /// Why one call for all the keys: scored one call per key ([`group_dots`], still the path for
 /// shapes and CPUs the SIMD loops do not take), each key's sums were one chain of dependent FMAs,
 /// and a 32-sequence decode step spent ~11% of its time there; in one loop (AVX-512, or AVX2)
-/// the keys' short chains overlap. With the AVX-512
-/// weighted sum, on a Zen 5 EPYC (`rivulet-worker-bench`, runs alternating): a decode step of 32
-/// sequences at context 256 35.3 → 31.9 ms, 64 at 512 85 → 73 ms, a 512-token prefill 445 → 391.
+/// the keys' short chains overlap. With the AVX-512 weighted sum, on a Zen 5 EPYC
+/// (`rivulet-worker-bench`, runs alternating): a decode step of 32 sequences at context 256
+/// 35.3 → 31.9 ms, 64 at 512 85 → 73 ms, a 512-token prefill 445 → 391.
 pub fn score_keys(
     queries: &[f32],
     keys: &[f32],
@@ -367,7 +367,8 @@ unsafe fn score_keys_avx2<const G: usize>(
                     }
                 }
             }
-            let sums = _mm256_mul_ps(scale, sums_of_eight(&acc, 4 * keys_now.max(G.div_ceil(4))));
+            // The last pass's last sum sits in vector `(keys_now - 1) · 4 + G - 1`.
+            let sums = _mm256_mul_ps(scale, sums_of_eight(&acc, (keys_now - 1) * 4 + G));
             let mut lanes = [0f32; 8];
             _mm256_storeu_ps(lanes.as_mut_ptr(), sums);
             for key in 0..keys_now {
@@ -380,10 +381,9 @@ unsafe fn score_keys_avx2<const G: usize>(
     }
 }
 
-/// Lane `g` of the result: the sum of `vectors[g]`'s eight lanes, for `g < used` (the lanes from
-/// `used` on are sums of zero vectors or of vectors the caller ignores). Horizontal adds pair
-/// the vectors up, so eight sums cost seven shuffling adds rather than eight separate reductions;
-/// up to four vectors take three.
+/// Lane `g` of the result: the sum of `vectors[g]`'s eight lanes, for `g < used` (the other
+/// lanes hold anything). Horizontal adds pair the vectors up, so eight sums cost seven shuffling
+/// adds rather than eight separate reductions; up to four take three.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
