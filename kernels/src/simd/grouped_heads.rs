@@ -175,6 +175,29 @@ unsafe fn weighted_rows_avx2<const G: usize, const CV: usize>(
     }
 }
 
+/// A SIMD loop of [`score_keys`] for one group size: queries, keys, values, offsets, `dim`,
+/// scale, scores.
+#[cfg(target_arch = "x86_64")]
+type ScoreKeysKernel = unsafe fn(*const f32, *const f32, *const f32, &[usize], usize, f32, *mut f32);
+
+/// `$kernel`'s instance for `$group` query heads, for groups of 1 to 8 (`None` beyond).
+#[cfg(target_arch = "x86_64")]
+macro_rules! score_keys_instance {
+    ($kernel:ident, $group:expr) => {
+        match $group {
+            1 => Some($kernel::<1> as ScoreKeysKernel),
+            2 => Some($kernel::<2> as ScoreKeysKernel),
+            3 => Some($kernel::<3> as ScoreKeysKernel),
+            4 => Some($kernel::<4> as ScoreKeysKernel),
+            5 => Some($kernel::<5> as ScoreKeysKernel),
+            6 => Some($kernel::<6> as ScoreKeysKernel),
+            7 => Some($kernel::<7> as ScoreKeysKernel),
+            8 => Some($kernel::<8> as ScoreKeysKernel),
+            _ => None,
+        }
+    };
+}
+
 /// Key rows ahead of the one being scored whose key and value rows [`score_keys`] fetches into
 /// L1: a row is scored in a few nanoseconds, and a row missing from the caches takes ~100 to
 /// arrive.
@@ -211,47 +234,20 @@ pub fn score_keys(
         .iter()
         .all(|&o| fits(keys.len(), o.checked_add(dim)) && fits(values.len(), o.checked_add(dim))));
     #[cfg(target_arch = "x86_64")]
-    if has_avx512() && dim.is_multiple_of(16) && dim > 0 {
-        let (q, k, v) = (queries.as_ptr(), keys.as_ptr(), values.as_ptr());
-        let s = scores.as_mut_ptr();
-        // SAFETY: AVX-512F present; every key and value row read lies in `keys`/`values`, the
-        // queries hold `group · dim` values and `scores` `offsets.len() · group` (asserted).
-        let done = unsafe {
-            match group {
-                1 => score_keys_avx512::<1>(q, k, v, offsets, dim, scale, s),
-                2 => score_keys_avx512::<2>(q, k, v, offsets, dim, scale, s),
-                3 => score_keys_avx512::<3>(q, k, v, offsets, dim, scale, s),
-                4 => score_keys_avx512::<4>(q, k, v, offsets, dim, scale, s),
-                5 => score_keys_avx512::<5>(q, k, v, offsets, dim, scale, s),
-                6 => score_keys_avx512::<6>(q, k, v, offsets, dim, scale, s),
-                7 => score_keys_avx512::<7>(q, k, v, offsets, dim, scale, s),
-                8 => score_keys_avx512::<8>(q, k, v, offsets, dim, scale, s),
-                _ => false,
-            }
+    {
+        let kernel = if has_avx512() && dim.is_multiple_of(16) && dim > 0 {
+            score_keys_instance!(score_keys_avx512, group)
+        } else if has_avx2() && dim.is_multiple_of(8) && dim > 0 {
+            score_keys_instance!(score_keys_avx2, group)
+        } else {
+            None
         };
-        if done {
-            return;
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() && dim.is_multiple_of(8) && dim > 0 {
-        let (q, k, v) = (queries.as_ptr(), keys.as_ptr(), values.as_ptr());
-        let s = scores.as_mut_ptr();
-        // SAFETY: AVX2 present; as for the AVX-512 path above.
-        let done = unsafe {
-            match group {
-                1 => score_keys_avx2::<1>(q, k, v, offsets, dim, scale, s),
-                2 => score_keys_avx2::<2>(q, k, v, offsets, dim, scale, s),
-                3 => score_keys_avx2::<3>(q, k, v, offsets, dim, scale, s),
-                4 => score_keys_avx2::<4>(q, k, v, offsets, dim, scale, s),
-                5 => score_keys_avx2::<5>(q, k, v, offsets, dim, scale, s),
-                6 => score_keys_avx2::<6>(q, k, v, offsets, dim, scale, s),
-                7 => score_keys_avx2::<7>(q, k, v, offsets, dim, scale, s),
-                8 => score_keys_avx2::<8>(q, k, v, offsets, dim, scale, s),
-                _ => false,
-            }
-        };
-        if done {
+        if let Some(kernel) = kernel {
+            let (q, k, v) = (queries.as_ptr(), keys.as_ptr(), values.as_ptr());
+            // SAFETY: the CPU has the kernel's features and `dim` its multiple (checked just
+            // above); every key and value row read lies in `keys`/`values`, the queries hold
+            // `group · dim` values and `scores` `offsets.len() · group` (asserted).
+            unsafe { kernel(q, k, v, offsets, dim, scale, scores.as_mut_ptr()) };
             return;
         }
     }
@@ -272,8 +268,8 @@ pub fn score_keys(
     }
 }
 
-/// [`score_keys`] for `G` query heads; returns true (the dispatch checked that `dim` is a
-/// positive multiple of 16).
+/// [`score_keys`] for `G` query heads (the dispatch checked that `dim` is a positive multiple
+/// of 16).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn score_keys_avx512<const G: usize>(
@@ -284,7 +280,7 @@ unsafe fn score_keys_avx512<const G: usize>(
     dim: usize,
     scale: f32,
     scores: *mut f32,
-) -> bool {
+) {
     // SAFETY (whole body): see `score_keys`.
     unsafe {
         // The first rows are asked into L2 all at once (from memory they arrive in parallel),
@@ -312,12 +308,11 @@ unsafe fn score_keys_avx512<const G: usize>(
                 *scores.add(t * G + g) = scale * _mm512_reduce_add_ps(*a);
             }
         }
-        true
     }
 }
 
-/// [`score_keys`] on AVX2 for `G` query heads; returns true (the dispatch checked that `dim` is
-/// a positive multiple of 8).
+/// [`score_keys`] on AVX2 for `G` query heads (the dispatch checked that `dim` is a positive
+/// multiple of 8).
 ///
 /// As the AVX-512 loop: one loop over every key, so that the keys' short FMA chains overlap.
 /// Called once per key ([`group_dots`]), a 32-sequence decode step at context 256 on a Zen 3
@@ -336,7 +331,7 @@ unsafe fn score_keys_avx2<const G: usize>(
     dim: usize,
     scale: f32,
     scores: *mut f32,
-) -> bool {
+) {
     // SAFETY (whole body): see `score_keys`; `G <= 8` (the dispatch).
     unsafe {
         for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
@@ -377,7 +372,6 @@ unsafe fn score_keys_avx2<const G: usize>(
             }
             t += keys_now;
         }
-        true
     }
 }
 
