@@ -1,5 +1,6 @@
 //! `rivulet-bench compare`: the mean of each side's rounds (JSON lines written by `run --json`),
-//! printed side by side with the ratio left/right for every metric.
+//! printed side by side with the ratio left/right for every metric, then the output throughput's
+//! ratio round by round.
 
 use std::path::PathBuf;
 
@@ -20,13 +21,15 @@ pub struct CompareArgs {
 }
 
 pub fn print(args: &CompareArgs) -> anyhow::Result<()> {
-    let (left_name, left) = load_side(&args.left)?;
-    let (right_name, right) = load_side(&args.right)?;
+    let (left_name, left, left_rounds) = load_side(&args.left)?;
+    let (right_name, right, right_rounds) = load_side(&args.right)?;
     print!("{}", report::comparison(&left_name, &left, &right_name, &right));
+    print!("{}", report::round_ratios(&left_rounds, &right_rounds));
     Ok(())
 }
 
-fn load_side(spec: &str) -> anyhow::Result<(String, Summary)> {
+/// A side's name, the mean of its rounds and each round.
+fn load_side(spec: &str) -> anyhow::Result<(String, Summary, Vec<Summary>)> {
     let (name, path) = spec.split_once('=').context("expected NAME=FILE")?;
     let path = PathBuf::from(path);
     let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -39,7 +42,11 @@ fn load_side(spec: &str) -> anyhow::Result<(String, Summary)> {
         })
         .collect::<anyhow::Result<Vec<Value>>>()?;
     let mean = mean_of(&summaries).with_context(|| format!("{} holds no runs", path.display()))?;
-    Ok((name.to_owned(), serde_json::from_value(mean)?))
+    let rounds = summaries
+        .into_iter()
+        .map(serde_json::from_value)
+        .collect::<Result<Vec<Summary>, _>>()?;
+    Ok((name.to_owned(), serde_json::from_value(mean)?, rounds))
 }
 
 /// The field-by-field mean of JSON documents with the same shape (numbers averaged, recursively).

@@ -70,6 +70,23 @@ pub fn comparison(left_name: &str, left: &Summary, right_name: &str, right: &Sum
     out
 }
 
+/// Output throughput `left / right` round by round (the rounds paired in the order they ran),
+/// so that a mean ratio can be told from one carried by a single round.
+pub fn round_ratios(left: &[Summary], right: &[Summary]) -> String {
+    let ratios: Vec<String> = left
+        .iter()
+        .zip(right)
+        .map(|(a, b)| {
+            if b.output_throughput != 0.0 {
+                format!("{:.2}", a.output_throughput / b.output_throughput)
+            } else {
+                "-".to_owned()
+            }
+        })
+        .collect();
+    format!("{:<36}{}\n", "Output tok/s ratio, round by round", ratios.join(" "))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,5 +108,21 @@ mod tests {
             .unwrap_or_default();
         assert!(line.ends_with("1.50"), "{line}");
         assert!(table("run", &left).contains("30"));
+    }
+
+    #[test]
+    fn round_ratios_pair_rounds_in_order() {
+        let runs = |throughputs: &[f64]| -> Vec<Summary> {
+            throughputs
+                .iter()
+                .map(|&output_throughput| Summary {
+                    output_throughput,
+                    ..Summary::default()
+                })
+                .collect()
+        };
+        let text = round_ratios(&runs(&[30.0, 10.0, 5.0]), &runs(&[20.0, 40.0]));
+        assert!(text.trim_end().ends_with("1.50 0.25"), "{text}");
+        assert!(round_ratios(&runs(&[1.0]), &runs(&[0.0])).trim_end().ends_with('-'));
     }
 }
