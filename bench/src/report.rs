@@ -55,11 +55,7 @@ pub fn comparison(left_name: &str, left: &Summary, right_name: &str, right: &Sum
     let mut out = String::new();
     let _ = writeln!(out, "{:<36}{left_name:>14}{right_name:>14}{:>10}", "metric", "ratio");
     for ((label, a), (_, b)) in rows(left).into_iter().zip(rows(right)) {
-        let ratio = if b != 0.0 {
-            format!("{:.2}", a / b)
-        } else {
-            "-".to_owned()
-        };
+        let ratio = ratio(a, b);
         let _ = writeln!(
             out,
             "{label:<36}{:>14}{:>14}{ratio:>10}",
@@ -76,15 +72,18 @@ pub fn round_ratios(left: &[Summary], right: &[Summary]) -> String {
     let ratios: Vec<String> = left
         .iter()
         .zip(right)
-        .map(|(a, b)| {
-            if b.output_throughput != 0.0 {
-                format!("{:.2}", a.output_throughput / b.output_throughput)
-            } else {
-                "-".to_owned()
-            }
-        })
+        .map(|(a, b)| ratio(a.output_throughput, b.output_throughput))
         .collect();
     format!("{:<36}{}\n", "Output tok/s ratio, round by round", ratios.join(" "))
+}
+
+/// `a / b` to two places, or `-` where `b` is zero.
+fn ratio(a: f64, b: f64) -> String {
+    if b != 0.0 {
+        format!("{:.2}", a / b)
+    } else {
+        "-".to_owned()
+    }
 }
 
 #[cfg(test)]
