@@ -269,10 +269,9 @@ unsafe fn widen_q4(source: *const u8, blocks: usize, tiles: *mut u8) {
             let nibbles = source.add(block * Q4_BLOCK + 2 * SCALES);
             let tile = tiles.add(block * B_TILE_BYTES);
             for p in 0..8 {
-                // Columns 2p and 2p + 1 (low nibbles), 2p + 16 and 2p + 17 (high), of rows 0..16.
-                let a = _mm_loadu_si128(nibbles.add(PANEL * 2 * p).cast());
-                let b = _mm_loadu_si128(nibbles.add(PANEL * (2 * p + 1)).cast());
-                let pairs = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+                // Columns 2p and 2p + 1 (low nibbles), 2p + 16 and 2p + 17 (high), of rows 0..16,
+                // already alternating byte by byte as the tiles pair them.
+                let pairs = _mm256_loadu_si256(nibbles.add(2 * PANEL * p).cast());
                 let words = _mm512_cvtepu8_epi16(pairs);
                 _mm512_store_si512(tile.add(64 * p).cast(), _mm512_permutexvar_epi16(words, table));
                 let high = _mm512_srli_epi16::<4>(words);

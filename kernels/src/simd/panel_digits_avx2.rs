@@ -19,17 +19,18 @@
 //!
 //! A weight row's block sum is then `Σ q·x = (256·ΣqD0 + ΣqD1)·s1 + ΣqD2·s2`, all three integer
 //! sums exact (at most 32·15·127), the first two joined exactly in 32-bit integers; the GGUF
-//! scale and offset apply as in [`super::panel_gemv_avx2`] (`d·Σ q·x + offset·Σ x`). Zen 3, one
-//! thread, SmolLM2's projections for one token (`cargo bench -p rivulet-kernels --bench
-//! projections -- 1 1 Q4_1`, alternating with `RIVULET_KERNELS_NO_DIGITS=1`): 7.4–7.6 ms per step
-//! against 9.4–9.7.
+//! scale and offset apply as in [`super::panel_gemv_avx2`] (`d·Σ q·x + offset·Σ x`).
 //!
-//! Layout of [`ActivationDigits`]: per block, per digit, one 32-byte vector of 16 words, word
-//! `(D(x[j]), D(x[j + 16]))` for the even columns `j` in the first 128 bits and for the odd ones
-//! in the last. A 32-byte load of the panel holds columns `2p` and `2p + 1` of 16 rows; after
-//! the nibbles are interleaved, one in-lane byte shuffle of the digit vector gives each row's
-//! (low nibble, high nibble) byte pair its (`D(x[j])`, `D(x[j + 16])`) pair for `vpmaddubsw`. The
-//! vectors are aligned: unaligned, the kernel ran at half speed.
+//! The panel's 32-byte column pairs ([`super::panels`]) alternate columns `2p` and `2p + 1` byte
+//! by byte, so once the low nibbles are masked out each 16-bit word holds one row's values
+//! `(2p, 2p + 1)`, and the high nibbles' words its `(2p + 16, 2p + 17)`: `vpmaddubsw` against
+//! the broadcast digit pair `(D(x[2p]), D(x[2p + 1]))` (or the `+ 16` one) gives 16 rows'
+//! two-term sums with no shuffle. Layout of [`ActivationDigits`]: per block, per digit, 64 bytes,
+//! 32-bit word `q < 16` holding `(D(x[2q]), D(x[2q + 1]))` twice, so that each pair is one
+//! broadcast load. Per 32 bytes of nibbles (64 weights) the kernel runs 15 vector instructions
+//! beside its loads (a mask, a shift and a mask, then six multiplies and six adds), where the
+//! panels' earlier one-column-per-16-bytes layout took 21: an interleave of the nibbles and a
+//! byte shuffle of each digit vector per pair.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -45,16 +46,23 @@ const DIGITS: usize = 3;
 /// Pairs of nibble columns per 32-value block (one 32-byte panel load each).
 const PAIRS: usize = 8;
 
-/// One digit vector (see the module's layout), aligned so that a load never splits a cache line.
-#[derive(Debug, Clone, Copy, Default)]
-#[repr(C, align(32))]
-struct DigitVector([u16; 16]);
+/// One digit of a block's 32 values as 16 broadcastable pairs (see the module's layout), on a
+/// cache line of its own.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct DigitPairs([u8; 64]);
+
+impl Default for DigitPairs {
+    fn default() -> Self {
+        Self([0; 64])
+    }
+}
 
 /// One activation row as three 8-bit digits per value (see the module docs).
 #[derive(Debug, Clone, Default)]
 pub struct ActivationDigits {
-    /// `DIGITS` vectors per block.
-    vectors: Vec<DigitVector>,
+    /// `DIGITS` per block.
+    pairs: Vec<DigitPairs>,
     /// Per block, `s1` and `s2`.
     scales: Vec<[f32; 2]>,
 }
@@ -68,7 +76,7 @@ impl ActivationDigits {
         }
         let blocks = x.len() / 32;
         let mut digits = Self {
-            vectors: vec![DigitVector::default(); blocks * DIGITS],
+            pairs: vec![DigitPairs::default(); blocks * DIGITS],
             scales: vec![[0.0; 2]; blocks],
         };
         #[cfg(target_arch = "x86_64")]
@@ -88,13 +96,13 @@ impl ActivationDigits {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     fn fill(&mut self, x: &[f32]) {
-        for ((block, vectors), scales) in x
+        for ((block, pairs), scales) in x
             .chunks_exact(32)
-            .zip(self.vectors.chunks_exact_mut(DIGITS))
+            .zip(self.pairs.chunks_exact_mut(DIGITS))
             .zip(&mut self.scales)
         {
             // SAFETY: AVX2 and FMA are enabled here; every load reads inside `block` (32 values)
-            // and every store writes one of `vectors`' `DIGITS` aligned vectors.
+            // and every store writes inside one of `pairs`' `DIGITS` 64-byte-aligned lines.
             unsafe {
                 let values: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(block.as_ptr().add(8 * i)));
                 let largest = largest_magnitude(values);
@@ -108,7 +116,7 @@ impl ActivationDigits {
                     continue;
                 }
                 let mut rest = values;
-                for (vector, scale) in vectors.iter_mut().zip([s0, s1, s2]) {
+                for (line, scale) in pairs.iter_mut().zip([s0, s1, s2]) {
                     let (step, inverse) = (_mm256_set1_ps(scale), _mm256_set1_ps(1.0 / scale));
                     let digits: [__m256i; 4] = std::array::from_fn(|i| {
                         // Nearest, ties to even (MXCSR's default), held to ±127.
@@ -117,7 +125,10 @@ impl ActivationDigits {
                         rest[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(d), step, rest[i]);
                         d
                     });
-                    _mm256_store_si256((vector as *mut DigitVector).cast(), word_pairs(digits));
+                    let line: *mut __m256i = (line as *mut DigitPairs).cast();
+                    let [first, second] = broadcast_pairs(digits);
+                    _mm256_store_si256(line, first);
+                    _mm256_store_si256(line.add(1), second);
                 }
             }
         }
@@ -137,12 +148,11 @@ fn largest_magnitude(values: [__m256; 4]) -> f32 {
     _mm_cvtss_f32(m)
 }
 
-/// 32 digits (as 32-bit integers, in order) packed into a digit vector: bytes, then each even
-/// column's (`j`, `j + 16`) pair as a word in the first 128 bits and each odd one's in the last
-/// (see the module's layout).
+/// 32 digits (as 32-bit integers, in order) as 16 32-bit words, word `q` holding the bytes
+/// `(D[2q], D[2q + 1])` twice (see the module's layout): words 0..8, then 8..16.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn word_pairs(digits: [__m256i; 4]) -> __m256i {
+fn broadcast_pairs(digits: [__m256i; 4]) -> [__m256i; 2] {
     // The packs work within 128-bit halves: the bytes come out as digits 0-3, 8-11, 16-19,
     // 24-27, 4-7, 12-15, 20-23, 28-31, which the dword permutation puts back in order.
     let words = [
@@ -151,33 +161,11 @@ fn word_pairs(digits: [__m256i; 4]) -> __m256i {
     ];
     let bytes = _mm256_packs_epi16(words[0], words[1]);
     let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    // Each 128-bit half (digits 0-15, then 16-31) as its even digits, then its odd ones.
-    let split = _mm256_shuffle_epi8(
-        bytes,
-        _mm256_setr_epi8(
-            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-        ),
-    );
-    // First half: even digits of 0-15 then of 16-31; last half: the odd ones.
-    let split = _mm256_permute4x64_epi64::<0b11_01_10_00>(split);
-    _mm256_unpacklo_epi8(split, _mm256_bsrli_epi128::<8>(split))
+    // Pairs 0-3 and 8-11 in the first 128 bits, 4-7 and 12-15 in the last, so that the
+    // in-lane unpacks below give pairs 0-7 and then 8-15, each doubled.
+    let bytes = _mm256_permute4x64_epi64::<0b11_01_10_00>(bytes);
+    [_mm256_unpacklo_epi16(bytes, bytes), _mm256_unpackhi_epi16(bytes, bytes)]
 }
-
-/// `vpshufb` controls: pair `p`'s word of each 128-bit half, eight times.
-#[cfg(target_arch = "x86_64")]
-static PAIR_SHUFFLES: [[u8; 32]; PAIRS] = {
-    let mut controls = [[0u8; 32]; PAIRS];
-    let mut pair = 0;
-    while pair < PAIRS {
-        let mut byte = 0;
-        while byte < 32 {
-            controls[pair][byte] = (2 * pair + byte % 2) as u8;
-            byte += 1;
-        }
-        pair += 1;
-    }
-    controls
-};
 
 impl Panels {
     /// `out[r] = Σ_k x[k] · w[panel · PANEL + r][k]` for `r < PANEL`, with `x` given as its
@@ -186,17 +174,17 @@ impl Panels {
         assert!(has_avx2() && self.kind() == Kind::Q4);
         let blocks = self.blocks_per_row();
         assert_eq!(x.blocks(), blocks);
-        assert!(x.vectors.len() == blocks * DIGITS && sums.len() >= blocks);
+        assert!(x.pairs.len() == blocks * DIGITS && sums.len() >= blocks);
         assert!(out.len() >= PANEL);
         let source = self.blocks(panel, 0..blocks);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2 present; `source` holds the panel's `blocks` Q4 blocks, `x` `blocks` blocks
-        // of digit vectors and scales, `sums` `blocks` sums and `out` `PANEL` values (asserted).
+        // of digit pairs and scales, `sums` `blocks` sums and `out` `PANEL` values (asserted).
         unsafe {
             q4_digits(
                 source.as_ptr(),
                 blocks,
-                x.vectors.as_ptr().cast(),
+                x.pairs.as_ptr().cast(),
                 x.scales.as_ptr().cast(),
                 sums.as_ptr(),
                 out.as_mut_ptr(),
@@ -217,58 +205,65 @@ unsafe fn q4_digits(
     out: *mut f32,
 ) {
     // SAFETY (whole body): `w` holds `blocks` Q4 panel blocks, `digits` `blocks · DIGITS`
-    // 32-byte-aligned vectors, `scales` `2 · blocks` and `sums` `blocks` values, `out` `PANEL`
-    // (caller).
+    // 64-byte lines of digit pairs, `scales` `2 · blocks` and `sums` `blocks` values, `out`
+    // `PANEL` (caller).
     unsafe {
         let low_nibbles = _mm256_set1_epi8(0x0F);
-        // `vpmaddwd` weights that join (ΣqD1, ΣqD0) pairs into 256·ΣqD0 + ΣqD1.
+        // `vpmaddwd` weights: (ΣqD1, ΣqD0) pairs into 256·ΣqD0 + ΣqD1, and (a, b) into a + b.
         let join = _mm256_set1_epi32(256 << 16 | 1);
+        let add = _mm256_set1_epi16(1);
         let mut totals = [_mm256_setzero_ps(); 2];
         for block in 0..blocks {
             let base = w.add(block * Q4_BLOCK);
             prefetch_ahead(base, Q4_BLOCK);
             let nibbles = base.add(2 * SCALES);
-            let vectors = digits.add(block * DIGITS * 32);
-            let compact: [__m256i; DIGITS] =
-                std::array::from_fn(|digit| _mm256_load_si256(vectors.add(32 * digit).cast()));
-            // Per digit, rows 0..8 and 8..16: 16-bit sums, the first 128 bits over the even
-            // columns and the last over the odd ones; each at most 8 · 2 · 15 · 127 in size.
+            let lines = digits.add(block * DIGITS * 64);
+            // Per digit, 16-bit sums of the 16 rows (word r: row r) over the low nibbles' columns
+            // and over the high ones': each at most 8 · 2 · 15 · 127 in size.
             let mut sums16 = [[_mm256_setzero_si256(); 2]; DIGITS];
-            for (pair, shuffle) in PAIR_SHUFFLES.iter().enumerate() {
+            for pair in 0..PAIRS {
                 let bytes = _mm256_loadu_si256(nibbles.add(32 * pair).cast());
-                let low = _mm256_and_si256(bytes, low_nibbles);
-                let high = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low_nibbles);
-                // Row r's (value j, value j + 16) byte pairs: rows 0..8, then rows 8..16.
-                let rows = [_mm256_unpacklo_epi8(low, high), _mm256_unpackhi_epi8(low, high)];
-                let control = _mm256_loadu_si256(shuffle.as_ptr().cast());
-                for (sums, compact) in sums16.iter_mut().zip(compact) {
-                    let x = _mm256_shuffle_epi8(compact, control);
-                    for (sum, rows) in sums.iter_mut().zip(rows) {
-                        *sum = _mm256_add_epi16(*sum, _mm256_maddubs_epi16(rows, x));
+                // Word r: row r's values (2p, 2p + 1), then (2p + 16, 2p + 17).
+                let nibble_words = [
+                    _mm256_and_si256(bytes, low_nibbles),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low_nibbles),
+                ];
+                for (digit, sums) in sums16.iter_mut().enumerate() {
+                    let line = lines.add(64 * digit).cast::<i32>();
+                    for (half, (sum, words)) in sums.iter_mut().zip(nibble_words).enumerate() {
+                        let x = _mm256_set1_epi32(*line.add(pair + PAIRS * half));
+                        *sum = _mm256_add_epi16(*sum, _mm256_maddubs_epi16(words, x));
                     }
                 }
             }
+            // 32-bit sums of rows 0..4 and 8..12 (`[0]`), 4..8 and 12..16 (`[1]`): the leading
+            // digits joined, then the last digit's two halves added.
+            let [first, second, third] = sums16;
+            let mut leading = [_mm256_setzero_si256(); 2];
+            for (a, b) in first.into_iter().zip(second) {
+                leading[0] = _mm256_add_epi32(leading[0], _mm256_madd_epi16(_mm256_unpacklo_epi16(b, a), join));
+                leading[1] = _mm256_add_epi32(leading[1], _mm256_madd_epi16(_mm256_unpackhi_epi16(b, a), join));
+            }
+            let last = [
+                _mm256_madd_epi16(_mm256_unpacklo_epi16(third[0], third[1]), add),
+                _mm256_madd_epi16(_mm256_unpackhi_epi16(third[0], third[1]), add),
+            ];
+            // Rows in order: 0..8, then 8..16.
+            let in_order = |sums: [__m256i; 2]| {
+                [
+                    _mm256_permute2x128_si256::<0x20>(sums[0], sums[1]),
+                    _mm256_permute2x128_si256::<0x31>(sums[0], sums[1]),
+                ]
+            };
+            let (leading, last) = (in_order(leading), in_order(last));
             let s1 = _mm256_broadcast_ss(&*scales.add(2 * block));
             let s2 = _mm256_broadcast_ss(&*scales.add(2 * block + 1));
             let block_sum = _mm256_broadcast_ss(&*sums.add(block));
             for (half, total) in totals.iter_mut().enumerate() {
-                let [first, second, third] = [sums16[0][half], sums16[1][half], sums16[2][half]];
-                // Rows 0..4 and 4..8 of this half as 256·ΣqD0 + ΣqD1, even columns in the first
-                // 128 bits, odd ones in the last; then the two added per row.
-                let joined_low = _mm256_madd_epi16(_mm256_unpacklo_epi16(second, first), join);
-                let joined_high = _mm256_madd_epi16(_mm256_unpackhi_epi16(second, first), join);
-                let leading = _mm256_add_epi32(
-                    _mm256_permute2x128_si256::<0x20>(joined_low, joined_high),
-                    _mm256_permute2x128_si256::<0x31>(joined_low, joined_high),
-                );
-                let last = _mm256_add_epi32(
-                    _mm256_cvtepi16_epi32(_mm256_castsi256_si128(third)),
-                    _mm256_cvtepi16_epi32(_mm256_extracti128_si256::<1>(third)),
-                );
                 let dot = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(last),
+                    _mm256_cvtepi32_ps(last[half]),
                     s2,
-                    _mm256_mul_ps(_mm256_cvtepi32_ps(leading), s1),
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(leading[half]), s1),
                 );
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(base.add(16 * half).cast()));
                 let offset = _mm256_cvtph_ps(_mm_loadu_si128(base.add(SCALES + 16 * half).cast()));
@@ -299,11 +294,12 @@ mod tests {
             let [s1, s2] = digits.scales[b];
             let largest = block.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (k, &value) in block.iter().enumerate() {
-                let (pair, half) = ((k % 16) / 2, k % 2);
-                let byte = usize::from(k >= 16);
+                // Word k / 2 holds values k & !1 and k | 1, twice.
                 let digit = |d: usize| {
-                    let word = digits.vectors[b * DIGITS + d].0[8 * half + pair];
-                    f64::from(word.to_le_bytes()[byte] as i8)
+                    let line = &digits.pairs[b * DIGITS + d].0;
+                    let (at, twin) = (4 * (k / 2) + k % 2, 4 * (k / 2) + 2 + k % 2);
+                    assert_eq!(line[at], line[twin]);
+                    f64::from(line[at] as i8)
                 };
                 let rebuilt = (256.0 * digit(0) + digit(1)) * f64::from(s1) + digit(2) * f64::from(s2);
                 let error = (rebuilt - f64::from(value)).abs();

@@ -18,7 +18,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::panels::{Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
+use super::panels::{nibble_columns, Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
 use super::{fits, has_avx512, strided_len, PANEL};
 
 /// Activation rows one pass over a panel multiplies (its accumulators fill the registers); a
@@ -200,19 +200,22 @@ unsafe fn q4_rows<const M: usize, const C: usize>(
             let offset = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(SCALES).cast()));
             let nibbles = base.add(2 * SCALES);
             let mut chains = [[_mm512_setzero_ps(); C]; M];
-            // Columns `first..first + C/2` a pass, each into chains of its own: the chain indices
-            // are constants once the inner loops unroll, so the chains stay in registers.
-            for first in (0..16).step_by(C / 2) {
-                for pair in 0..C / 2 {
-                    let j = first + pair;
-                    // Column j of the 16 rows in the low nibbles, column j + 16 in the high ones.
-                    let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(nibbles.add(PANEL * j).cast()));
-                    let low = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low_nibble));
-                    let high = _mm512_cvtepi32_ps(_mm512_srli_epi32::<4>(bytes));
+            for p in 0..8 {
+                // Row r's two bytes in lane r: four columns, one per nibble (`nibble_columns`).
+                let lanes = _mm512_cvtepu16_epi32(_mm256_loadu_si256(nibbles.add(2 * PANEL * p).cast()));
+                let values = [
+                    _mm512_and_si512(lanes, low_nibble),
+                    _mm512_and_si512(_mm512_srli_epi32::<4>(lanes), low_nibble),
+                    _mm512_and_si512(_mm512_srli_epi32::<8>(lanes), low_nibble),
+                    _mm512_srli_epi32::<12>(lanes),
+                ];
+                // Each column into a chain of its own (`C` divides 4): the chain indices are
+                // constants once the loops unroll, so the chains stay in registers.
+                for (i, (value, column)) in values.into_iter().zip(nibble_columns(p)).enumerate() {
+                    let value = _mm512_cvtepi32_ps(value);
                     for (b, row) in chains.iter_mut().enumerate() {
-                        let xs = x.add(b * x_stride + block * 32 + j);
-                        row[2 * pair] = _mm512_fmadd_ps(low, _mm512_set1_ps(*xs), row[2 * pair]);
-                        row[2 * pair + 1] = _mm512_fmadd_ps(high, _mm512_set1_ps(*xs.add(16)), row[2 * pair + 1]);
+                        let xs = x.add(b * x_stride + block * 32 + column);
+                        row[i % C] = _mm512_fmadd_ps(value, _mm512_set1_ps(*xs), row[i % C]);
                     }
                 }
             }

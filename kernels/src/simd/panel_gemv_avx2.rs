@@ -5,11 +5,10 @@
 //! Why: on a CPU without AVX-512 one decoding sequence multiplied GGUF's row-major blocks
 //! ([`super::gemv_q4_1`]), where each 32-bit lane of a block is a different column of one row:
 //! every block needs its scale and minimum converted and broadcast, and each row its horizontal
-//! sum, ~22 vector instructions per 32 weights. In a panel one column of 8 rows is 8 consecutive
-//! bytes with the rows' scales beside them as vectors, so a column of a 4-bit panel costs one
-//! widening load, a mask and a shift, two conversions and one FMA per activation row for 16
-//! weights (column `j` in the low nibbles, `j + 16` in the high ones), and a block's scale and
-//! offset are one FMA each for 8 rows. The same exact GGUF values in f32, summed in another order:
+//! sum, ~22 vector instructions per 32 weights. In a 4-bit panel four columns of 8 rows are 16
+//! consecutive bytes with the rows' scales beside them as vectors, so 32 weights cost one
+//! widening load, three masks, three shifts, four conversions and four FMAs per activation row,
+//! and a block's scale and offset are one FMA each for 8 rows. The same exact GGUF values in f32, summed in another order:
 //! `Σ (d·q + offset)·x = d·Σ q·x + offset·Σ x`, with each block's `Σ x` from [`block_sums`].
 //!
 //! A pass takes at most [`PANEL_GEMV_AVX2_ROWS`] activation rows and one half of the panel at a
@@ -23,7 +22,7 @@ use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
 use super::panel_gemv::prefetch_ahead;
-use super::panels::{Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
+use super::panels::{four_columns, nibble_columns, Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
 use super::{has_avx2, PANEL};
 
 /// Activation rows one pass multiplies; a larger step makes several passes.
@@ -94,8 +93,8 @@ fn joined<const C: usize>(chains: &[__m256; C]) -> __m256 {
 }
 
 /// Rows `8·half..8·half + 8` of a 4-bit panel times `M` activation rows, each row's sums in `C`
-/// chains (even: low and high nibbles apart, and one or two rows alternate columns too, so that
-/// they still hide the FMA latency).
+/// chains (a power of two up to 8: the four columns of a pair apart, and one or two rows
+/// alternate pairs too, so that they still hide the FMA latency).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4_half<const M: usize, const C: usize>(
@@ -111,7 +110,6 @@ unsafe fn q4_half<const M: usize, const C: usize>(
     // values `x_stride` apart, `sums` `M · blocks` block sums and `out` `M · PANEL` values
     // (caller); `half < 2`, so every offset below stays inside its block.
     unsafe {
-        let low_nibble = _mm256_set1_epi32(0x0F);
         let mut totals = [_mm256_setzero_ps(); M];
         for block in 0..blocks {
             let base = w.add(block * Q4_BLOCK);
@@ -121,21 +119,20 @@ unsafe fn q4_half<const M: usize, const C: usize>(
             }
             let d = _mm256_cvtph_ps(_mm_loadu_si128(base.add(16 * half).cast()));
             let offset = _mm256_cvtph_ps(_mm_loadu_si128(base.add(SCALES + 16 * half).cast()));
-            let nibbles = base.add(2 * SCALES + 8 * half);
+            // Rows 0..8 are the first 16 bytes of each column pair's 32, rows 8..16 the last.
+            let nibbles = base.add(2 * SCALES + 16 * half);
             let mut chains = [[_mm256_setzero_ps(); C]; M];
-            // Columns `first..first + C/2` a pass, each into chains of its own: the chain indices
-            // are constants once the inner loops unroll, so the chains stay in registers.
-            for first in (0..16).step_by(C / 2) {
-                for pair in 0..C / 2 {
-                    let j = first + pair;
-                    // Row `8·half + i`'s byte in lane `i`: column j (low nibble), j + 16 (high).
-                    let bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(nibbles.add(PANEL * j).cast()));
-                    let low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low_nibble));
-                    let high = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(bytes));
+            for p in 0..8 {
+                // Row `8·half + i`'s two bytes in lane `i`: four columns, one per nibble.
+                let lanes = _mm256_cvtepu16_epi32(_mm_loadu_si128(nibbles.add(2 * PANEL * p).cast()));
+                // Each column into a chain of its own (`C` divides 8): the chain indices are
+                // constants once the loops unroll, so the chains stay in registers.
+                for (i, (value, column)) in four_columns(lanes).into_iter().zip(nibble_columns(p)).enumerate() {
+                    let value = _mm256_cvtepi32_ps(value);
+                    let chain = (4 * p + i) % C;
                     for (b, row) in chains.iter_mut().enumerate() {
-                        let xs = x.add(b * x_stride + block * 32 + j);
-                        row[2 * pair] = _mm256_fmadd_ps(low, _mm256_broadcast_ss(&*xs), row[2 * pair]);
-                        row[2 * pair + 1] = _mm256_fmadd_ps(high, _mm256_broadcast_ss(&*xs.add(16)), row[2 * pair + 1]);
+                        let xs = x.add(b * x_stride + block * 32 + column);
+                        row[chain] = _mm256_fmadd_ps(value, _mm256_broadcast_ss(&*xs), row[chain]);
                     }
                 }
             }

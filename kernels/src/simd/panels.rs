@@ -1,5 +1,6 @@
-//! Q4_0, Q4_1 and Q8_0 weights rearranged at load by panels of 16 rows, so that one 16-byte load
-//! holds one column of 16 rows. Part of [`super`]'s `unsafe`, under its invariants.
+//! Q4_0, Q4_1 and Q8_0 weights rearranged at load by panels of 16 rows, so that one load holds
+//! whole columns of 16 rows (one Q8_0 column in 16 bytes, four 4-bit columns in 32). Part of
+//! [`super`]'s `unsafe`, under its invariants.
 //!
 //! Why: a step of 9+ rows on AVX2 decodes each 16-row panel once into L1 as `[k][16]` f32 for
 //! every activation row to use. From GGUF's row-major blocks that took a decode into a row-major
@@ -14,9 +15,15 @@
 //! Layout, per panel of [`PANEL`] rows (a last partial panel is padded with zero rows), block
 //! after block (32 columns each):
 //! - 4-bit (Q4_0, Q4_1): `d` of the 16 rows as f16, then the offset of the 16 rows as f16 (`m`,
-//!   or `-8·d` for Q4_0, exact in f16: 8·d only moves the exponent); then for `j` in `0..16`, 16
-//!   bytes: byte `r` holds row `r`'s value `j` in its low nibble and its value `j + 16` in its
-//!   high nibble (GGUF's pairing within a block). [`Q4_BLOCK`] bytes.
+//!   or `-8·d` for Q4_0, exact in f16: 8·d only moves the exponent); then for each pair of
+//!   columns `(2p, 2p + 1)`, `p` in `0..8`, 32 bytes: byte `2r + c` holds row `r`'s value
+//!   `j = 2p + c` in its low nibble and its value `j + 16` in its high nibble (GGUF's pairing
+//!   within a block) ([`q4_byte`]). [`Q4_BLOCK`] bytes. The two columns of a pair alternate
+//!   byte by byte so that, once the nibbles are masked apart, each 16-bit word holds one row's
+//!   values `(2p, 2p + 1)` (or `(2p + 16, 2p + 17)`): the pairs `vpmaddubsw` multiplies and adds,
+//!   against a broadcast pair of activation digits ([`super::panel_digits_avx2`]). The f32
+//!   kernels widen 16 bits per row and take four columns from each 32-bit lane; the AMX path's
+//!   tiles want the same interleaving.
 //! - Q8_0: `d` of the 16 rows as f16, then for `k` in `0..32`, 16 bytes: row `r`'s signed value
 //!   `k` in byte `r`. [`Q8_BLOCK`] bytes.
 //!
@@ -30,6 +37,12 @@ use std::arch::x86_64::*;
 use rivulet_gguf::GgmlType;
 
 use super::{fits, has_avx2, PANEL};
+
+/// Where row `r`'s byte of column `j < 16` (values `j` and `j + 16`) sits among a 4-bit panel
+/// block's nibble bytes (see the module's layout).
+pub(super) const fn q4_byte(j: usize, r: usize) -> usize {
+    2 * PANEL * (j / 2) + 2 * r + j % 2
+}
 
 /// Bytes of one block's scale (or offset) for the 16 rows: 16 f16.
 pub(super) const SCALES: usize = PANEL * 2;
@@ -98,9 +111,11 @@ impl Panels {
                 } else if kind == Kind::Q4 {
                     return None;
                 }
-                let values_at = if kind == Kind::Q4 { 2 * SCALES } else { SCALES };
                 for (j, &byte) in values.iter().enumerate() {
-                    target[values_at + PANEL * j + r] = byte;
+                    match kind {
+                        Kind::Q4 => target[2 * SCALES + q4_byte(j, r)] = byte,
+                        Kind::Q8 => target[SCALES + PANEL * j + r] = byte,
+                    }
                 }
             }
         }
@@ -134,14 +149,13 @@ impl Panels {
         for block in 0..self.blocks_per_row {
             let source = self.blocks(panel, block..block + 1);
             bytes.extend_from_slice(&source[2 * r..2 * r + 2]);
-            let (values_at, count) = match self.kind {
-                Kind::Q4 => (2 * SCALES, 16),
-                Kind::Q8 => (SCALES, 32),
-            };
             if format == GgmlType::Q4_1 {
                 bytes.extend_from_slice(&source[SCALES + 2 * r..SCALES + 2 * r + 2]);
             }
-            bytes.extend((0..count).map(|j| source[values_at + PANEL * j + r]));
+            match self.kind {
+                Kind::Q4 => bytes.extend((0..16).map(|j| source[2 * SCALES + q4_byte(j, r)])),
+                Kind::Q8 => bytes.extend((0..32).map(|j| source[SCALES + PANEL * j + r])),
+            }
         }
         bytes
     }
@@ -177,13 +191,32 @@ impl Panels {
     }
 }
 
+/// The columns of pair `p`'s four nibbles in a row's 16 bits, lowest first (see the module's
+/// layout).
+pub(super) const fn nibble_columns(p: usize) -> [usize; 4] {
+    [2 * p, 2 * p + 16, 2 * p + 1, 2 * p + 17]
+}
+
+/// The four nibbles of each 32-bit lane's low 16 bits (the lane's upper bits zero), lowest first
+/// ([`nibble_columns`] names their columns).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) fn four_columns(lanes: __m256i) -> [__m256i; 4] {
+    let low_nibble = _mm256_set1_epi32(0x0F);
+    [
+        _mm256_and_si256(lanes, low_nibble),
+        _mm256_and_si256(_mm256_srli_epi32::<4>(lanes), low_nibble),
+        _mm256_and_si256(_mm256_srli_epi32::<8>(lanes), low_nibble),
+        _mm256_srli_epi32::<12>(lanes),
+    ]
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode_q4(source: *const u8, count: usize, packed: *mut f32) {
     // SAFETY (whole body): `source` holds `count` blocks of Q4_BLOCK and `packed`
     // `count · 32 · PANEL` values (caller).
     unsafe {
-        let low_nibble = _mm256_set1_epi32(0x0F);
         for block in 0..count {
             let base = source.add(block * Q4_BLOCK);
             // Rows 0..8 and 8..16: their `d` and offset.
@@ -192,15 +225,15 @@ unsafe fn decode_q4(source: *const u8, count: usize, packed: *mut f32) {
             let offset = [half(SCALES), half(SCALES + 16)];
             let nibbles = base.add(2 * SCALES);
             let out = packed.add(block * 32 * PANEL);
-            for j in 0..16 {
+            for p in 0..8 {
                 for (half, (d, offset)) in d.into_iter().zip(offset).enumerate() {
-                    // Row `8·half + i`'s byte in lane `i`: values j (low nibble) and j + 16 (high).
-                    let bytes = _mm_loadl_epi64(nibbles.add(PANEL * j + 8 * half).cast());
-                    let lanes = _mm256_cvtepu8_epi32(bytes);
-                    let low = _mm256_cvtepi32_ps(_mm256_and_si256(lanes, low_nibble));
-                    let high = _mm256_cvtepi32_ps(_mm256_srli_epi32(lanes, 4));
-                    _mm256_storeu_ps(out.add(j * PANEL + 8 * half), _mm256_fmadd_ps(low, d, offset));
-                    _mm256_storeu_ps(out.add((j + 16) * PANEL + 8 * half), _mm256_fmadd_ps(high, d, offset));
+                    // Row `8·half + i`'s two bytes in lane `i`: columns 2p, 2p + 16, 2p + 1 and
+                    // 2p + 17 in its four nibbles.
+                    let lanes = _mm256_cvtepu16_epi32(_mm_loadu_si128(nibbles.add(2 * PANEL * p + 16 * half).cast()));
+                    for (nibble, column) in four_columns(lanes).into_iter().zip(nibble_columns(p)) {
+                        let value = _mm256_fmadd_ps(_mm256_cvtepi32_ps(nibble), d, offset);
+                        _mm256_storeu_ps(out.add(column * PANEL + 8 * half), value);
+                    }
                 }
             }
         }
