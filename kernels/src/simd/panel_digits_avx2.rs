@@ -5,8 +5,9 @@
 //! Why: on a CPU without AVX-512 a one-token step is bound by the instructions that turn 4-bit
 //! weights into f32 (a widening, a mask or shift and a conversion per 8 weights before each FMA),
 //! not by memory. `vpmaddubsw` multiplies 32 unsigned bytes by 32 signed ones and adds adjacent
-//! pairs, so the nibbles need only masks and a shift, and one instruction does 32 multiplies. llama.cpp rounds the activations to one 8-bit digit for this; Rivulet keeps f32's
-//! precision instead, with three digits per value:
+//! pairs, so the nibbles need only masks and a shift, and one instruction does 32 multiplies.
+//! llama.cpp rounds the activations to one 8-bit digit for this; Rivulet keeps f32's precision
+//! instead, with three digits per value:
 //!
 //! - per block of 32 values, `s0 = max|x| / 127`, `s1 = s0 / 256`, `s2 = s1 / 127`;
 //! - `D0 = round(x / s0)`, `D1 = round((x − D0·s0) / s1)`, `D2 = round((x − D0·s0 − D1·s1) / s2)`

@@ -40,7 +40,7 @@ use super::{fits, has_avx2, PANEL};
 
 /// Where row `r`'s byte of column `j < 16` (values `j` and `j + 16`) sits among a 4-bit panel
 /// block's nibble bytes (see the module's layout).
-pub(super) const fn q4_byte(j: usize, r: usize) -> usize {
+const fn q4_byte(j: usize, r: usize) -> usize {
     2 * PANEL * (j / 2) + 2 * r + j % 2
 }
 
