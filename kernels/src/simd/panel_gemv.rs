@@ -18,7 +18,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::panels::{nibble_columns, Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
+use super::panels::{four_columns_512, nibble_columns, Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
 use super::{fits, has_avx512, strided_len, PANEL};
 
 /// Activation rows one pass over a panel multiplies (its accumulators fill the registers); a
@@ -191,7 +191,6 @@ unsafe fn q4_rows<const M: usize, const C: usize>(
     // values `x_stride` apart, `sums` `M · blocks` block sums and `out` `M · PANEL` values
     // (caller).
     unsafe {
-        let low_nibble = _mm512_set1_epi32(0x0F);
         let mut totals = [_mm512_setzero_ps(); M];
         for block in 0..blocks {
             let base = w.add(block * Q4_BLOCK);
@@ -203,15 +202,9 @@ unsafe fn q4_rows<const M: usize, const C: usize>(
             for p in 0..8 {
                 // Row r's two bytes in lane r: four columns, one per nibble (`nibble_columns`).
                 let lanes = _mm512_cvtepu16_epi32(_mm256_loadu_si256(nibbles.add(2 * PANEL * p).cast()));
-                let values = [
-                    _mm512_and_si512(lanes, low_nibble),
-                    _mm512_and_si512(_mm512_srli_epi32::<4>(lanes), low_nibble),
-                    _mm512_and_si512(_mm512_srli_epi32::<8>(lanes), low_nibble),
-                    _mm512_srli_epi32::<12>(lanes),
-                ];
                 // Each column into a chain of its own (`C` divides 4): the chain indices are
                 // constants once the loops unroll, so the chains stay in registers.
-                for (i, (value, column)) in values.into_iter().zip(nibble_columns(p)).enumerate() {
+                for (i, (value, column)) in four_columns_512(lanes).into_iter().zip(nibble_columns(p)).enumerate() {
                     let value = _mm512_cvtepi32_ps(value);
                     for (b, row) in chains.iter_mut().enumerate() {
                         let xs = x.add(b * x_stride + block * 32 + column);

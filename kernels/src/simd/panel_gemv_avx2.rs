@@ -8,7 +8,8 @@
 //! sum, ~22 vector instructions per 32 weights. In a 4-bit panel four columns of 8 rows are 16
 //! consecutive bytes with the rows' scales beside them as vectors, so 32 weights cost one
 //! widening load, three masks, three shifts, four conversions and four FMAs per activation row,
-//! and a block's scale and offset are one FMA each for 8 rows. The same exact GGUF values in f32, summed in another order:
+//! and a block's scale and offset are one FMA each for 8 rows. The same exact GGUF values in f32,
+//! summed in another order:
 //! `Σ (d·q + offset)·x = d·Σ q·x + offset·Σ x`, with each block's `Σ x` from [`block_sums`].
 //!
 //! A pass takes at most [`PANEL_GEMV_AVX2_ROWS`] activation rows and one half of the panel at a

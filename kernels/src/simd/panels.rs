@@ -211,6 +211,19 @@ pub(super) fn four_columns(lanes: __m256i) -> [__m256i; 4] {
     ]
 }
 
+/// [`four_columns`] on 16 lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) fn four_columns_512(lanes: __m512i) -> [__m512i; 4] {
+    let low_nibble = _mm512_set1_epi32(0x0F);
+    [
+        _mm512_and_si512(lanes, low_nibble),
+        _mm512_and_si512(_mm512_srli_epi32::<4>(lanes), low_nibble),
+        _mm512_and_si512(_mm512_srli_epi32::<8>(lanes), low_nibble),
+        _mm512_srli_epi32::<12>(lanes),
+    ]
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn decode_q4(source: *const u8, count: usize, packed: *mut f32) {
