@@ -16,7 +16,8 @@
 # greedy tokens, ignore_eos), with the scheduler's own step timings. Figures land in OUT_DIR.
 # The serving runs go twice, with `worker.cuda_graphs` off and on. Binaries of another build placed
 # beside them with the suffix `-before` (rivulet-worker-before, rivulet-worker-bench-before) are
-# measured too, in the same run, for a side-by-side ratio.
+# measured too, in the same run, for a side-by-side ratio. CONFIGURATIONS="before graphs" (labels
+# of the ones below) runs only those.
 set -uo pipefail
 BIN="$(cd "$1" && pwd)"
 MODEL="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
@@ -69,6 +70,7 @@ configurations=("eager rivulet-worker false" "graphs rivulet-worker true")
 [ -x "$BIN/rivulet-worker-before" ] && configurations=("before rivulet-worker-before true" "${configurations[@]}")
 for configuration in "${configurations[@]}"; do
     read -r label worker graphs <<<"$configuration"
+    [[ " ${CONFIGURATIONS:-$label} " == *" $label "* ]] || continue
     echo "== $label"
     RIVULET_WORKER__BINARY="$BIN/$worker" RIVULET_WORKER__CUDA_GRAPHS=$graphs \
         "$BIN/rivulet-scheduler" >"$OUT/scheduler-$label.log" 2>&1 &

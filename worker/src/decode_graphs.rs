@@ -1,16 +1,18 @@
 //! Decode steps on CUDA through captured graphs (`worker.cuda_graphs`).
 //!
 //! A decode step of the libtorch engine is ~600 small kernels; launched one by one from the host
-//! it costs 10+ ms whatever the batch, while the GPU is busy for 1-2 ms of it (measured on an H100:
-//! README, "On a GPU"). So, as vLLM does, each decode step whose shape fits is padded to a bucket
-//! (batch: the next power of two up to [`MAX_BATCH`]; key blocks: the next power of two from
-//! [`MIN_BLOCKS`]) and run by replaying a graph captured for that bucket: one host-to-device copy
-//! of the step's inputs, one launch. A bucket's graph is captured on its first step, which runs
-//! eagerly (that also warms up cuBLAS and cuDNN for the shape). Prefill steps, and decode steps
-//! larger than the buckets, run eagerly; by then the GPU's work outweighs the launches.
+//! it costs 10+ ms whatever the batch, while the GPU is busy for 1-2 ms of it at small batches and
+//! ~13 ms at 1024 sequences (measured on an H100: README, "On a GPU"). So, as vLLM does, each
+//! decode step whose shape fits is padded to a bucket (batch: [`batch_bucket`]; key blocks: the
+//! next power of two from [`MIN_BLOCKS`]) and run by replaying a graph captured for that bucket:
+//! one host-to-device copy of the step's inputs, one launch. A bucket's graph is captured on its
+//! first step, which runs eagerly (that also warms up cuBLAS and cuDNN for the shape). Prefill
+//! steps, and decode steps larger than the buckets, run eagerly.
 //!
 //! Padding rows read and write one KV block the scheduler never hands out (the last one,
-//! reserved by [`DecodeGraphs::new`]'s caller); their logits are dropped.
+//! reserved by [`DecodeGraphs::new`]'s caller); their logits are dropped. Every graph writes its
+//! logits into one buffer of [`MAX_BATCH`] rows, so the graphs' memory does not grow with the
+//! number of buckets (each graph's own intermediates come from one shared pool).
 
 use std::collections::HashMap;
 
@@ -23,12 +25,29 @@ use crate::kv_cache::KvCache;
 use crate::model::{ForwardInputs, LlamaModel};
 
 /// Largest decode batch run through a graph.
-pub const MAX_BATCH: i64 = 256;
+pub const MAX_BATCH: i64 = 1024;
+/// Batches up to this many rows are padded to the next power of two (there the step is the host's
+/// launches, and padding costs the GPU little); larger ones to the next multiple of it, since
+/// there the GPU's work grows with the rows and doubling them would cost up to twice the step.
+pub const POWER_OF_TWO_BATCHES_UP_TO: i64 = 64;
 /// Fewest key blocks a bucket gathers (256 tokens at block size 16).
 pub const MIN_BLOCKS: i64 = 16;
 /// Largest `batch × blocks` run through a graph: its gathered keys and values take
-/// `2 · batch · blocks · block bytes` of the graphs' shared memory pool per layer in flight.
-pub const MAX_BATCH_BLOCKS: i64 = 1 << 14;
+/// `2 · batch · blocks · block bytes` of the graphs' shared memory pool per layer in flight
+/// (400 MB for SmolLM2's 6 KB bf16 blocks).
+pub const MAX_BATCH_BLOCKS: i64 = 1 << 15;
+
+/// The batch a graph runs for a step of `rows` sequences (see [`POWER_OF_TWO_BATCHES_UP_TO`]), or
+/// `None` past [`MAX_BATCH`].
+pub fn batch_bucket(rows: usize) -> Option<i64> {
+    let rows = i64::try_from(rows).ok().filter(|&r| r > 0)?;
+    let bucket = if rows <= POWER_OF_TWO_BATCHES_UP_TO {
+        (rows as u64).next_power_of_two() as i64
+    } else {
+        (rows + POWER_OF_TWO_BATCHES_UP_TO - 1) / POWER_OF_TWO_BATCHES_UP_TO * POWER_OF_TWO_BATCHES_UP_TO
+    };
+    (bucket <= MAX_BATCH).then_some(bucket)
+}
 
 /// Whether `step` is decode only, each sequence one token at row `i`, sampled in order: the
 /// steps a graph can run.
@@ -48,8 +67,6 @@ struct Captured {
     /// The graph's inputs, one i64 buffer: ids, positions, slots, context lengths (`[batch]`
     /// each), then the block tables (`[batch, blocks]`).
     inputs: Tensor,
-    /// `[batch, vocab]` f32, rewritten by each replay.
-    logits: Tensor,
 }
 
 pub struct DecodeGraphs {
@@ -57,6 +74,9 @@ pub struct DecodeGraphs {
     block_size: i64,
     scratch_block: i64,
     captured: HashMap<(i64, i64), Captured>,
+    /// `[MAX_BATCH, vocab]` f32: where every graph writes its logits (the first rows of it),
+    /// allocated with the first capture.
+    logits: Option<Tensor>,
     /// Set after a capture fails: every step then runs eagerly.
     disabled: bool,
 }
@@ -72,6 +92,7 @@ impl DecodeGraphs {
             block_size: block_size as i64,
             scratch_block: scratch_block as i64,
             captured: HashMap::new(),
+            logits: None,
             disabled: false,
         })
     }
@@ -86,11 +107,11 @@ impl DecodeGraphs {
         let (batch, blocks) = self.bucket(step)?;
         let inputs = self.padded_inputs(step, batch, blocks);
         let rows = step.seqs.len() as i64;
-        if let Some(captured) = self.captured.get(&(batch, blocks)) {
+        if let (Some(captured), Some(shared_logits)) = (self.captured.get(&(batch, blocks)), &self.logits) {
             let mut buffer = captured.inputs.shallow_clone();
             buffer.copy_(&Tensor::from_slice(&inputs));
             return match captured.graph.replay() {
-                Ok(()) => Some(captured.logits.narrow(0, 0, rows)),
+                Ok(()) => Some(shared_logits.narrow(0, 0, rows)),
                 Err(error) => {
                     self.disable(&error);
                     None
@@ -102,20 +123,18 @@ impl DecodeGraphs {
         let buffer = Tensor::from_slice(&inputs).to_device(device);
         let block_size = self.block_size;
         let logits = decode_forward(model, cache, &buffer, batch, blocks, block_size);
+        let shared_logits = self
+            .logits
+            .get_or_insert_with(|| Tensor::empty([MAX_BATCH, logits.size()[1]], (Kind::Float, device)));
+        let mut graph_logits = shared_logits.narrow(0, 0, batch);
         let pool = self.captured.values().next().map(|c| &c.graph);
         match Graph::capture(self.device_index, pool, || {
-            decode_forward(model, cache, &buffer, batch, blocks, block_size)
+            graph_logits.copy_(&decode_forward(model, cache, &buffer, batch, blocks, block_size));
         }) {
-            Ok((graph, graph_logits)) => {
+            Ok((graph, ())) => {
                 tracing::debug!(batch, blocks, "captured a CUDA graph for decode steps");
-                self.captured.insert(
-                    (batch, blocks),
-                    Captured {
-                        graph,
-                        inputs: buffer,
-                        logits: graph_logits,
-                    },
-                );
+                self.captured
+                    .insert((batch, blocks), Captured { graph, inputs: buffer });
             }
             Err(error) => self.disable(&error),
         }
@@ -130,15 +149,14 @@ impl DecodeGraphs {
 
     /// The (batch, blocks) bucket of a plain decode step, if one holds it.
     fn bucket(&self, step: &HostStepInputs<'_>) -> Option<(i64, i64)> {
-        let rows = step.seqs.len() as i64;
-        let batch = (rows as u64).next_power_of_two() as i64;
+        let batch = batch_bucket(step.seqs.len())?;
         let needed = step
             .seqs
             .iter()
             .map(|s| (s.context_len + self.block_size - 1) / self.block_size)
             .max()?;
         let blocks = (needed.max(MIN_BLOCKS) as u64).next_power_of_two() as i64;
-        (batch <= MAX_BATCH && batch * blocks <= MAX_BATCH_BLOCKS).then_some((batch, blocks))
+        (batch * blocks <= MAX_BATCH_BLOCKS).then_some((batch, blocks))
     }
 
     /// The graph's input buffer for `step`: its rows, then padding rows that attend to one token of
@@ -193,4 +211,21 @@ fn decode_forward(
         logit_rows: &rows,
     };
     model.forward(&forward_inputs, cache)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_batches_take_powers_of_two_and_large_ones_multiples_of_the_threshold() {
+        let buckets: Vec<Option<i64>> = [1, 2, 3, 5, 63, 64, 65, 128, 129, 1000, 1024]
+            .iter()
+            .map(|&rows| batch_bucket(rows))
+            .collect();
+        let expected = [1, 2, 4, 8, 64, 64, 128, 128, 192, 1024, 1024].map(Some);
+        assert_eq!(buckets, expected);
+        assert_eq!(batch_bucket(0), None);
+        assert_eq!(batch_bucket(MAX_BATCH as usize + 1), None);
+    }
 }

@@ -40,7 +40,9 @@ impl Engine {
         let config = ModelConfig::from_gguf(file).expect("config");
         let kind = compute_kind(device);
         let weights = ModelWeights::load(file, &config, device, kind).expect("weights");
-        let cache = KvCache::allocate(&config, BLOCK_SIZE as usize, 64 << 20, 256, device, kind).expect("cache");
+        // On the GPU, room for the graph test's 130 sequences of MAX_BLOCKS blocks each.
+        let cache_bytes = if device.is_cuda() { 512 << 20 } else { 64 << 20 };
+        let cache = KvCache::allocate(&config, BLOCK_SIZE as usize, cache_bytes, 256, device, kind).expect("cache");
         let model = LlamaModel::new(config, weights, 256, device, kind);
         Self { model, cache, device }
     }
@@ -201,7 +203,8 @@ fn bf16_on_cuda_agrees_with_f32_on_cpu() {
 }
 
 /// Decode steps through [`DecodeGraphs`] (the first captures, the next two replay, the last with
-/// new inputs) give the tokens of the same steps run eagerly.
+/// new inputs) give the tokens of the same steps run eagerly: three sequences (a power-of-two
+/// bucket of 4), then 130 (a bucket of 192, past the power-of-two sizes), on the same graphs.
 #[test]
 fn decode_graph_replays_match_eager_steps() {
     if !tch::Cuda::is_available() {
@@ -216,10 +219,17 @@ fn decode_graph_replays_match_eager_steps() {
     let mut engine = Engine::load(&model_file(), Device::Cuda(0));
     let scratch = engine.cache.reserve_block(256).expect("a spare block");
     let mut graphs = DecodeGraphs::new(Device::Cuda(0), BLOCK_SIZE as usize, scratch).expect("graphs");
-    let prompts = [PROMPT_A, PROMPT_B, PROMPT_C];
+    let few = [PROMPT_A, PROMPT_B, PROMPT_C];
+    let many: Vec<&[i64]> = few.iter().copied().cycle().take(130).collect();
+    for prompts in [&few[..], &many[..]] {
+        replays_match_eager_steps(&engine, &mut graphs, prompts);
+    }
+}
+
+fn replays_match_eager_steps(engine: &Engine, graphs: &mut DecodeGraphs, prompts: &[&[i64]]) {
     let mut lens: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
     let mut next: Vec<i64> = engine
-        .prefill_step(&prompts)
+        .prefill_step(prompts)
         .iter()
         .map(|t| *t.last().expect("a token"))
         .collect();
@@ -245,7 +255,7 @@ fn decode_graph_replays_match_eager_steps() {
         }
         let eager = engine.decode_step(&lens, &next);
         for tokens in &through_graph {
-            assert_eq!(tokens, &eager, "round {round}");
+            assert_eq!(tokens, &eager, "{} sequences, round {round}", prompts.len());
         }
         next = eager;
         lens.iter_mut().for_each(|len| *len += 1);
