@@ -39,13 +39,15 @@ echo "== worker/tests/cuda.rs"
 for unit_tests in "$BIN"/rivulet_worker-*; do
     [ -x "$unit_tests" ] || continue
     echo "== $(basename "$unit_tests") on_cuda"
-    "$unit_tests" on_cuda --nocapture 2>&1 | tee -a "$OUT/cuda_test.log"
+    "$unit_tests" on_cuda paged_attention --nocapture 2>&1 | tee -a "$OUT/cuda_test.log"
 done
 
-for bench in rivulet-worker-bench-before rivulet-worker-bench; do
+# The current bench twice: decode attention gathering its KV blocks, then through the paged kernel.
+for run in rivulet-worker-bench-before: rivulet-worker-bench:RIVULET_CUDA_GATHERED_ATTENTION=1 rivulet-worker-bench:; do
+    bench=${run%%:*} variable=${run#*:}
     [ -x "$BIN/$bench" ] || continue
-    echo "== $bench on cuda:0"
-    RIVULET_BENCH_DEVICE=cuda:0 RIVULET_BENCH_CONTEXT=256 RIVULET_BENCH_BATCHES=1,32,256,1024 \
+    echo "== $bench on cuda:0 $variable"
+    env ${variable:+"$variable"} RIVULET_BENCH_DEVICE=cuda:0 RIVULET_BENCH_CONTEXT=256 RIVULET_BENCH_BATCHES=1,32,256,1024 \
         "$BIN/$bench" "$MODEL" 2>&1 | tee -a "$OUT/worker_bench.log"
 done
 
@@ -65,14 +67,17 @@ serve() {
         --max-concurrency "$clients" --random-input-len 128 --random-output-len 128 --ignore-eos --no-progress \
         --admin-url http://127.0.0.1:50052 --label "$label" --json "$OUT/bench.jsonl" "$@" >>"$OUT/bench.log" 2>&1
 }
-# Each configuration: a label, the worker binary, `worker.cuda_graphs`.
-configurations=("eager rivulet-worker false" "graphs rivulet-worker true")
+# Each configuration: a label, the worker binary, `worker.cuda_graphs`, and optionally one
+# VARIABLE=value for the worker ("gathered": decode attention gathering its KV blocks, as before
+# the paged kernel).
+configurations=("eager rivulet-worker false" "gathered rivulet-worker true RIVULET_CUDA_GATHERED_ATTENTION=1"
+    "graphs rivulet-worker true")
 [ -x "$BIN/rivulet-worker-before" ] && configurations=("before rivulet-worker-before true" "${configurations[@]}")
 for configuration in "${configurations[@]}"; do
-    read -r label worker graphs <<<"$configuration"
+    read -r label worker graphs variable <<<"$configuration"
     [[ " ${CONFIGURATIONS:-$label} " == *" $label "* ]] || continue
     echo "== $label"
-    RIVULET_WORKER__BINARY="$BIN/$worker" RIVULET_WORKER__CUDA_GRAPHS=$graphs \
+    env ${variable:+"$variable"} RIVULET_WORKER__BINARY="$BIN/$worker" RIVULET_WORKER__CUDA_GRAPHS=$graphs \
         "$BIN/rivulet-scheduler" >"$OUT/scheduler-$label.log" 2>&1 &
     scheduler=$!
     "$BIN/rivulet-bench" wait-ready --timeout-secs 180 || { tail -30 "$OUT/scheduler-$label.log"; kill $scheduler; continue; }

@@ -4,7 +4,9 @@
 //!
 //! With it, and with the CUDA runtime's headers beside torch (the `nvidia` wheels PyPI's torch
 //! depends on), also compiles `cuda/graph_shim.cpp` (CUDA graph capture, which tch does not wrap)
-//! and sets `cfg(rivulet_cuda_graphs)`; without them the worker runs every CUDA step eagerly.
+//! and `cuda/kernel_shim.cpp` (kernels of our own, compiled at run time by NVRTC) and sets
+//! `cfg(rivulet_cuda_graphs)` and `cfg(rivulet_cuda_kernels)`; without them the worker runs
+//! every CUDA step eagerly, on libtorch's ops alone.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -47,7 +49,7 @@ fn cuda_include_dirs(torch_lib: &Path) -> Option<Vec<PathBuf>> {
     crt.join("crt/host_config.h").exists().then(|| vec![runtime, crt])
 }
 
-fn build_graph_shim(torch_lib: &Path) -> bool {
+fn build_cuda_shim(torch_lib: &Path) -> bool {
     let Some(torch_include) = torch_lib.parent().map(|torch| torch.join("include")) else {
         return false;
     };
@@ -62,14 +64,16 @@ fn build_graph_shim(torch_lib: &Path) -> bool {
     cc::Build::new()
         .cpp(true)
         .file("cuda/graph_shim.cpp")
+        .file("cuda/kernel_shim.cpp")
         .include(&torch_include)
         .include(torch_include.join("torch/csrc/api/include"))
         .includes(cuda_includes)
         .flag("-std=c++17")
         .define("_GLIBCXX_USE_CXX11_ABI", cxx11_abi.as_str())
         .warnings(false)
-        .compile("rivulet_graph_shim");
+        .compile("rivulet_cuda_shim");
     println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-lc10_cuda,--as-needed");
+    println!("cargo:rustc-link-lib=dl");
     true
 }
 
@@ -78,13 +82,16 @@ fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH_USE_PYTORCH");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-changed=cuda/graph_shim.cpp");
+    println!("cargo:rerun-if-changed=cuda/kernel_shim.cpp");
     println!("cargo::rustc-check-cfg=cfg(rivulet_cuda_graphs)");
+    println!("cargo::rustc-check-cfg=cfg(rivulet_cuda_kernels)");
     if let Some(dir) = torch_lib_dir() {
         if dir.join("libtorch_cuda.so").exists() {
             println!("cargo:rustc-link-search=native={}", dir.display());
             println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
-            if build_graph_shim(&dir) {
+            if build_cuda_shim(&dir) {
                 println!("cargo:rustc-cfg=rivulet_cuda_graphs");
+                println!("cargo:rustc-cfg=rivulet_cuda_kernels");
             }
         }
     }

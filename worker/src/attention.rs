@@ -9,6 +9,8 @@
 
 use tch::{Device, Kind, Tensor};
 
+use crate::paged_attention::PagedDecodeAttention;
+
 /// The KV blocks and mask for a group of sequences. Keys are gathered a whole block at a time
 /// (a few large copies rather than one per slot); positions past a sequence's context are masked.
 struct KeyGather {
@@ -43,6 +45,10 @@ struct DecodeGroup {
     token_rows: Tensor,
     /// The group is the whole batch, row `i` sequence `i`: its output is the step's, no scatter.
     is_whole_batch: bool,
+    /// For [`PagedDecodeAttention`]: the group's block-table rows (`[batch, width]`) and context
+    /// lengths (`[batch]`), i64 on the device.
+    tables: Tensor,
+    context: Tensor,
     keys: KeyGather,
 }
 
@@ -104,10 +110,13 @@ impl AttentionPlan {
                 num_blocks * block_size,
             ]);
             let is_whole_batch = decode_seqs.len() == seqs.len() && token_rows.iter().zip(0..).all(|(&r, i)| r == i);
+            let tables = tables_of(&decode_seqs);
             DecodeGroup {
                 token_rows: on_device(&token_rows),
                 is_whole_batch,
-                keys: KeyGather::new(&tables_of(&decode_seqs), num_blocks, &allowed, kind),
+                keys: KeyGather::new(&tables, num_blocks, &allowed, kind),
+                tables,
+                context: on_device(&context),
             }
         });
         let chunks: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].num_tokens > 1).collect();
@@ -173,6 +182,8 @@ impl AttentionPlan {
                 token_rows: Tensor::arange(batch, (Kind::Int64, device)),
                 is_whole_batch: true,
                 keys: KeyGather::new(block_tables, blocks, &allowed, kind),
+                tables: block_tables.shallow_clone(),
+                context: context.shallow_clone(),
             }),
             prefill: None,
             scale: 1.0 / (head_dim as f64).sqrt(),
@@ -181,24 +192,49 @@ impl AttentionPlan {
     }
 
     /// `queries`: `[tokens, n_heads, head_dim]`; `key_cache`/`value_cache`: flat
-    /// `[slots, n_kv_heads, head_dim]` with this step's tokens already written.
+    /// `[slots, n_kv_heads, head_dim]` with this step's tokens already written; `paged`: the decode
+    /// kernel over the blocks, where the device has one (else decode gathers, as prefill does).
     /// Returns `[tokens, n_heads * head_dim]`.
-    pub fn attend(&self, queries: &Tensor, key_cache: &Tensor, value_cache: &Tensor) -> Tensor {
+    pub fn attend(
+        &self,
+        queries: &Tensor,
+        key_cache: &Tensor,
+        value_cache: &Tensor,
+        paged: Option<&PagedDecodeAttention>,
+    ) -> Tensor {
         let (tokens, heads, dim) = queries.size3().expect("queries are [tokens, heads, head_dim]");
         let kv_heads = key_cache.size()[1];
         let decode_attended = self.decode.as_ref().map(|group| {
-            // One query per sequence: the query heads that share a KV head become that KV head's
-            // "query positions" ([b, kv_heads, heads / kv_heads, dim]), so attention reads each
-            // gathered K/V once instead of a copy repeated per query head (GQA without expansion).
             let q = if group.is_whole_batch {
-                queries.reshape([-1, kv_heads, heads / kv_heads, dim])
+                queries.shallow_clone()
             } else {
-                queries
-                    .index_select(0, &group.token_rows)
-                    .view([-1, kv_heads, heads / kv_heads, dim])
+                queries.index_select(0, &group.token_rows)
             };
-            let attended = self.attend_group(&q, key_cache, value_cache, &group.keys, false);
-            (group, attended.reshape([-1, heads, dim]))
+            let through_kernel = paged.and_then(|kernel| {
+                kernel
+                    .attend(
+                        &q,
+                        key_cache,
+                        value_cache,
+                        &group.tables,
+                        &group.context,
+                        self.block_size,
+                        self.scale,
+                    )
+                    // A launch that fails leaves the device in doubt, as a failing libtorch op
+                    // does (tch panics then too); the worker's step loop reports it.
+                    .unwrap_or_else(|error| panic!("{error}"))
+            });
+            let attended = through_kernel.unwrap_or_else(|| {
+                // One query per sequence: the query heads that share a KV head become that KV
+                // head's "query positions" ([b, kv_heads, heads / kv_heads, dim]), so attention
+                // reads each gathered K/V once instead of a copy repeated per query head (GQA
+                // without expansion).
+                let q = q.reshape([-1, kv_heads, heads / kv_heads, dim]);
+                self.attend_group(&q, key_cache, value_cache, &group.keys, false)
+                    .reshape([-1, heads, dim])
+            });
+            (group, attended)
         });
         if let Some((group, attended)) = &decode_attended {
             if group.is_whole_batch {
@@ -341,7 +377,7 @@ mod tests {
             Device::Cpu,
             Kind::Double,
         );
-        let output = plan.attend(&queries, &keys, &values).view([10, heads, dim]);
+        let output = plan.attend(&queries, &keys, &values, None).view([10, heads, dim]);
         for (s, seq) in seqs.iter().enumerate() {
             for j in 0..seq.num_tokens {
                 let row = seq.first_token + j;

@@ -31,6 +31,7 @@ pub mod malloc_tuning;
 pub mod memory;
 pub mod model;
 pub mod page_buffer;
+pub mod paged_attention;
 pub mod rope;
 pub mod sampler;
 pub mod service;

@@ -11,6 +11,7 @@ use crate::config::ModelConfig;
 use crate::error::WorkerError;
 use crate::half_gemv::HalfWeights;
 use crate::kv_cache::KvCache;
+use crate::paged_attention::PagedDecodeAttention;
 use crate::rope::Rope;
 use crate::weights::ModelWeights;
 
@@ -20,6 +21,10 @@ pub struct LlamaModel {
     /// f16 projection weights for one-token steps, when enabled.
     half: Option<HalfWeights>,
     rope: Rope,
+    /// Decode attention over the paged blocks on CUDA in bf16 ([`crate::paged_attention`]);
+    /// `None` elsewhere, where it could not be loaded, or with
+    /// `RIVULET_CUDA_GATHERED_ATTENTION=1` (decode then gathers its blocks, as prefill does).
+    paged_decode: Option<PagedDecodeAttention>,
     pub device: Device,
     pub kind: Kind,
 }
@@ -40,11 +45,20 @@ pub struct ForwardInputs<'a> {
 impl LlamaModel {
     pub fn new(config: ModelConfig, weights: ModelWeights, max_positions: usize, device: Device, kind: Kind) -> Self {
         let rope = Rope::new(config.head_dim, config.rope_theta, max_positions, device);
+        let gathered = std::env::var_os("RIVULET_CUDA_GATHERED_ATTENTION").is_some_and(|v| v == "1");
+        let paged_decode = (device.is_cuda() && kind == Kind::BFloat16 && !gathered)
+            .then(|| PagedDecodeAttention::load(device, config.head_dim, config.num_heads, config.num_kv_heads))
+            .and_then(|loaded| {
+                loaded
+                    .inspect_err(|error| tracing::warn!(%error, "decode attention gathers its KV blocks instead"))
+                    .ok()
+            });
         Self {
             config,
             weights,
             half: None,
             rope,
+            paged_decode,
             device,
             kind,
         }
@@ -105,7 +119,9 @@ impl LlamaModel {
             let (mut key_cache, mut value_cache) = cache.flat();
             let _ = key_cache.index_copy_(0, inputs.slot_mapping, &k);
             let _ = value_cache.index_copy_(0, inputs.slot_mapping, &v);
-            let attended = inputs.attention.attend(&q, &key_cache, &value_cache);
+            let attended = inputs
+                .attention
+                .attend(&q, &key_cache, &value_cache, self.paged_decode.as_ref());
             add_projection(&mut hidden, &attended, &layer.o_proj, half_layer.map(|h| &h.o_proj));
 
             let normed = self.rms_norm(&hidden, &layer.ffn_norm);
