@@ -43,7 +43,7 @@ for unit_tests in "$BIN"/rivulet_worker-*; do
 done
 
 # The current bench twice: decode attention gathering its KV blocks, then through the paged kernel.
-for run in rivulet-worker-bench-before: rivulet-worker-bench:RIVULET_CUDA_GATHERED_ATTENTION=1 rivulet-worker-bench:; do
+for run in rivulet-worker-bench-before: rivulet-worker-bench:RIVULET_KERNELS_NO_CUDA_PAGED_ATTENTION=1 rivulet-worker-bench:; do
     bench=${run%%:*} variable=${run#*:}
     [ -x "$BIN/$bench" ] || continue
     echo "== $bench on cuda:0 $variable"
@@ -70,7 +70,7 @@ serve() {
 # Each configuration: a label, the worker binary, `worker.cuda_graphs`, and optionally one
 # VARIABLE=value for the worker ("gathered": decode attention gathering its KV blocks, as before
 # the paged kernel).
-configurations=("eager rivulet-worker false" "gathered rivulet-worker true RIVULET_CUDA_GATHERED_ATTENTION=1"
+configurations=("eager rivulet-worker false" "gathered rivulet-worker true RIVULET_KERNELS_NO_CUDA_PAGED_ATTENTION=1"
     "graphs rivulet-worker true")
 [ -x "$BIN/rivulet-worker-before" ] && configurations=("before rivulet-worker-before true" "${configurations[@]}")
 for configuration in "${configurations[@]}"; do

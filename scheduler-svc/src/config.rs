@@ -240,7 +240,7 @@ impl Config {
             .merge(
                 Env::prefixed("RIVULET_")
                     .ignore(&["CONFIG"])
-                    // `RIVULET_KERNELS_*` choose the CPU kernels' code path in the worker (which
+                    // `RIVULET_KERNELS_*` choose the kernels' code paths in the worker (which
                     // inherits this environment); they are not configuration keys.
                     .filter(|key| !key.as_str().to_ascii_uppercase().starts_with("KERNELS_"))
                     .split("__"),

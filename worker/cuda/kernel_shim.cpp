@@ -13,6 +13,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -118,6 +120,9 @@ struct Driver {
   decltype(&cuGetErrorString) error_string;
   decltype(&cuDeviceGet) get_device;
   decltype(&cuDeviceGetAttribute) get_attribute;
+  decltype(&cuDevicePrimaryCtxRetain) retain_primary_context;
+  decltype(&cuCtxGetCurrent) get_current_context;
+  decltype(&cuCtxSetCurrent) set_current_context;
 
   static const Driver& get() {
     static const Driver driver = open();
@@ -142,6 +147,10 @@ struct Driver {
     d.error_string = reinterpret_cast<decltype(d.error_string)>(symbol(library, "cuGetErrorString"));
     d.get_device = reinterpret_cast<decltype(d.get_device)>(symbol(library, "cuDeviceGet"));
     d.get_attribute = reinterpret_cast<decltype(d.get_attribute)>(symbol(library, "cuDeviceGetAttribute"));
+    d.retain_primary_context =
+        reinterpret_cast<decltype(d.retain_primary_context)>(symbol(library, "cuDevicePrimaryCtxRetain"));
+    d.get_current_context = reinterpret_cast<decltype(d.get_current_context)>(symbol(library, "cuCtxGetCurrent"));
+    d.set_current_context = reinterpret_cast<decltype(d.set_current_context)>(symbol(library, "cuCtxSetCurrent"));
     return d;
   }
 };
@@ -185,6 +194,31 @@ std::vector<std::string> split_options(const char* options) {
   return parts;
 }
 
+// Makes device `device`'s primary context (the one the CUDA runtime, and so libtorch, computes in)
+// current on this thread, where it is not already: the driver API loads modules and launches in
+// the current context, which a thread has only once the runtime has done work on it.
+// Each device's primary context is retained once, then kept for the process.
+void make_primary_context_current(const Driver& driver, int device) {
+  static std::mutex lock;
+  static std::map<int, CUcontext> primaries;
+  CUcontext primary;
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    auto found = primaries.find(device);
+    if (found == primaries.end()) {
+      CUdevice handle;
+      driver.check(driver.get_device(&handle, device), "cuDeviceGet");
+      driver.check(driver.retain_primary_context(&primary, handle), "cuDevicePrimaryCtxRetain");
+      primaries.emplace(device, primary);
+    } else {
+      primary = found->second;
+    }
+  }
+  CUcontext current = nullptr;
+  driver.check(driver.get_current_context(&current), "cuCtxGetCurrent");
+  if (current != primary) driver.check(driver.set_current_context(primary), "cuCtxSetCurrent");
+}
+
 }  // namespace
 
 extern "C" {
@@ -208,10 +242,9 @@ char* rivulet_kernel_compile_only(const char* source, const char* name, const ch
 char* rivulet_kernel_load(const char* source, const char* name, const char* options, const char* function,
                           int device, void** out) {
   return guarded([&] {
-    // The worker computes on one device: making it current (its primary context, which the
-    // driver calls below use) is what libtorch does before its own work on it.
     c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
     const Driver& driver = Driver::get();
+    make_primary_context_current(driver, device);
     CUdevice handle;
     driver.check(driver.get_device(&handle, device), "cuDeviceGet");
     int major = 0, minor = 0;
@@ -236,9 +269,9 @@ char* rivulet_kernel_launch(void* kernel, int device, unsigned grid_x, unsigned 
   return guarded([&] {
     // libtorch's ops restore the thread's device after each one; the driver launches in the
     // current context, which must be this device's.
-    c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
-    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
     const Driver& driver = Driver::get();
+    make_primary_context_current(driver, device);
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
     driver.check(driver.launch(reinterpret_cast<CUfunction>(kernel), grid_x, grid_y, 1, block_x, 1, 1, 0,
                                reinterpret_cast<CUstream>(stream), args, nullptr),
                  "cuLaunchKernel");

@@ -23,7 +23,7 @@ pub struct LlamaModel {
     rope: Rope,
     /// Decode attention over the paged blocks on CUDA in bf16 ([`crate::paged_attention`]);
     /// `None` elsewhere, where it could not be loaded, or with
-    /// `RIVULET_CUDA_GATHERED_ATTENTION=1` (decode then gathers its blocks, as prefill does).
+    /// `RIVULET_KERNELS_NO_CUDA_PAGED_ATTENTION=1` (decode then gathers its blocks, as prefill does).
     paged_decode: Option<PagedDecodeAttention>,
     pub device: Device,
     pub kind: Kind,
@@ -45,7 +45,7 @@ pub struct ForwardInputs<'a> {
 impl LlamaModel {
     pub fn new(config: ModelConfig, weights: ModelWeights, max_positions: usize, device: Device, kind: Kind) -> Self {
         let rope = Rope::new(config.head_dim, config.rope_theta, max_positions, device);
-        let gathered = std::env::var_os("RIVULET_CUDA_GATHERED_ATTENTION").is_some_and(|v| v == "1");
+        let gathered = std::env::var_os("RIVULET_KERNELS_NO_CUDA_PAGED_ATTENTION").is_some_and(|v| v == "1");
         let paged_decode = (device.is_cuda() && kind == Kind::BFloat16 && !gathered)
             .then(|| PagedDecodeAttention::load(device, config.head_dim, config.num_heads, config.num_kv_heads))
             .and_then(|loaded| {
