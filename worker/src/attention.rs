@@ -9,7 +9,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::paged_attention::PagedDecodeAttention;
+use crate::paged_attention::{PagedDecodeAttention, PagedKeys};
 
 /// The KV blocks and mask for a group of sequences. Keys are gathered a whole block at a time
 /// (a few large copies rather than one per slot); positions past a sequence's context are masked.
@@ -211,16 +211,15 @@ impl AttentionPlan {
                 queries.index_select(0, &group.token_rows)
             };
             let through_kernel = paged.and_then(|kernel| {
+                let cache = PagedKeys {
+                    key_cache,
+                    value_cache,
+                    tables: &group.tables,
+                    context: &group.context,
+                    block_size: self.block_size,
+                };
                 kernel
-                    .attend(
-                        &q,
-                        key_cache,
-                        value_cache,
-                        &group.tables,
-                        &group.context,
-                        self.block_size,
-                        self.scale,
-                    )
+                    .attend(&q, &cache, self.scale)
                     // A launch that fails leaves the device in doubt, as a failing libtorch op
                     // does (tch panics then too); the worker's step loop reports it.
                     .unwrap_or_else(|error| panic!("{error}"))

@@ -48,10 +48,15 @@ impl LlamaModel {
         let gathered = std::env::var_os("RIVULET_KERNELS_NO_CUDA_PAGED_ATTENTION").is_some_and(|v| v == "1");
         let paged_decode = (device.is_cuda() && kind == Kind::BFloat16 && !gathered)
             .then(|| PagedDecodeAttention::load(device, config.head_dim, config.num_heads, config.num_kv_heads))
-            .and_then(|loaded| {
-                loaded
-                    .inspect_err(|error| tracing::warn!(%error, "decode attention gathers its KV blocks instead"))
-                    .ok()
+            .and_then(|loaded| match loaded {
+                Ok(kernel) => {
+                    tracing::info!("decode attention reads the paged KV blocks in place (NVRTC kernel)");
+                    Some(kernel)
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "decode attention gathers its KV blocks instead");
+                    None
+                }
             });
         Self {
             config,

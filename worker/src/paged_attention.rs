@@ -93,6 +93,18 @@ fn options(head_dim: usize, group: usize) -> String {
     format!("-DHEAD_DIM={head_dim} -DGROUP={group} --std=c++17")
 }
 
+/// Where a decode step's keys and values are: the flat caches `[slots, kv_heads, head_dim]`, each
+/// sequence's block table row (`tables`, `[n, width]` i64) and its number of keys (`context`, `[n]`
+/// i64, at least 1 and covered by its table).
+#[derive(Clone, Copy)]
+pub struct PagedKeys<'a> {
+    pub key_cache: &'a Tensor,
+    pub value_cache: &'a Tensor,
+    pub tables: &'a Tensor,
+    pub context: &'a Tensor,
+    pub block_size: i64,
+}
+
 /// The paged decode kernel, compiled and loaded for one device and one model shape.
 pub struct PagedDecodeAttention {
     /// The loaded `CUfunction`, kept as an address (it is a process-wide handle, valid on any
@@ -138,20 +150,17 @@ impl PagedDecodeAttention {
     }
 
     /// Attention of one query per sequence: `queries` `[n, heads, head_dim]` (rows may be
-    /// strided, heads and dimensions packed), `key_cache`/`value_cache` flat `[slots, kv_heads,
-    /// head_dim]`, `tables` `[n, width]` block ids, `context` `[n]` keys per sequence (≥ 1, covered
-    /// by the tables). Returns `[n, heads, head_dim]`, or `Ok(None)` when the tensors are not in
-    /// the layout the kernel takes (bf16 on this device, i64 tables), for the general path.
-    pub fn attend(
-        &self,
-        queries: &Tensor,
-        key_cache: &Tensor,
-        value_cache: &Tensor,
-        tables: &Tensor,
-        context: &Tensor,
-        block_size: i64,
-        scale: f64,
-    ) -> Result<Option<Tensor>, KernelError> {
+    /// strided, heads and dimensions packed) over `cache`, one sequence per query. Returns
+    /// `[n, heads, head_dim]`, or `Ok(None)` when the tensors are not in the layout the kernel
+    /// takes (bf16 on this device, i64 tables), for the general path.
+    pub fn attend(&self, queries: &Tensor, cache: &PagedKeys<'_>, scale: f64) -> Result<Option<Tensor>, KernelError> {
+        let PagedKeys {
+            key_cache,
+            value_cache,
+            tables,
+            context,
+            block_size,
+        } = *cache;
         let device = Device::Cuda(self.device_index);
         let (n, heads, dim) = match queries.size3() {
             Ok(shape) => shape,

@@ -15,7 +15,7 @@ use rivulet_worker::decode_graphs::DecodeGraphs;
 use rivulet_worker::device::compute_kind;
 use rivulet_worker::kv_cache::KvCache;
 use rivulet_worker::model::{ForwardInputs, LlamaModel};
-use rivulet_worker::paged_attention::PagedDecodeAttention;
+use rivulet_worker::paged_attention::{PagedDecodeAttention, PagedKeys};
 use rivulet_worker::weights::ModelWeights;
 use tch::{Device, Kind, Tensor};
 
@@ -340,16 +340,15 @@ fn paged_decode_kernel_matches_gathered_attention() {
         if seqs.len() == contexts.len() {
             // The kernel itself takes this layout (else `attend` would have gathered).
             let context = Tensor::from_slice(&contexts).to_device(device);
+            let cache = PagedKeys {
+                key_cache: &keys,
+                value_cache: &values,
+                tables,
+                context: &context,
+                block_size: BLOCK_SIZE,
+            };
             let direct = kernel
-                .attend(
-                    &queries,
-                    &keys,
-                    &values,
-                    tables,
-                    &context,
-                    BLOCK_SIZE,
-                    1.0 / (dim as f64).sqrt(),
-                )
+                .attend(&queries, &cache, 1.0 / (dim as f64).sqrt())
                 .expect("a launch")
                 .expect("the kernel takes a decode step's layout");
             let direct = direct.to_kind(Kind::Float).view([tokens, heads * dim]);
