@@ -99,7 +99,7 @@ pub struct WorkerConfig {
     /// ~1.2× at 16–32). `false` keeps the blocks only. Spawned workers (an attached worker takes
     /// `--no-batch-weight-copy`).
     pub batch_weight_copy: bool,
-    /// CUDA: run decode steps of up to 256 sequences by replaying CUDA graphs captured per batch
+    /// CUDA: run decode steps of up to 1024 sequences by replaying CUDA graphs captured per batch
     /// and context bucket (one launch instead of ~600; 3-6x faster steps where the host's kernel
     /// launches dominate). `false` runs every step eagerly, op by op. Spawned workers (an attached
     /// worker takes `--no-cuda-graphs`).
