@@ -14,7 +14,8 @@
 # (decode batches 1, 32, 256, 1024 at context 256), then rivulet-bench through a scheduler with one
 # worker on cuda:0 at each client count (default 1 32 256 1024; 128-token random prompts, 128
 # greedy tokens, ignore_eos), with the scheduler's own step timings. Figures land in OUT_DIR.
-# The serving runs go twice, with `worker.cuda_graphs` off and on. Binaries of another build placed
+# The serving runs go once per configuration: `worker.cuda_graphs` off ("eager"), on with decode
+# attention gathering its KV blocks ("gathered"), and on with the paged kernel ("graphs"). Binaries of another build placed
 # beside them with the suffix `-before` (rivulet-worker-before, rivulet-worker-bench-before) are
 # measured too, in the same run, for a side-by-side ratio. CONFIGURATIONS="before graphs" (labels
 # of the ones below) runs only those.

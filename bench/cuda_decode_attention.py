@@ -5,7 +5,9 @@ largest difference from the worker's way.
 
     python3 bench/cuda_decode_attention.py [batch ...]     (default: 32 256 1024; context 256)
 
-Ways, each one layer's attention as the worker issues it (worker/src/attention.rs):
+Ways, each one layer's attention (worker/src/attention.rs); the worker's own decode path is now
+the paged kernel (worker/cuda/paged_decode_attention.cu, not timed here), "worker" below is its
+gathered path, which prefill chunks and `RIVULET_KERNELS_NO_CUDA_PAGED_ATTENTION=1` take:
   worker      gather whole blocks (index_select), SDPA on the strided view with an additive mask
   gather      the two gathers alone (what the worker's way pays before attending)
   contiguous  the gathers made contiguous in [batch, kv_heads, keys, dim] before SDPA

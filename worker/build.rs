@@ -4,9 +4,10 @@
 //!
 //! With it, and with the CUDA runtime's headers beside torch (the `nvidia` wheels PyPI's torch
 //! depends on), also compiles `cuda/graph_shim.cpp` (CUDA graph capture, which tch does not wrap)
-//! and `cuda/kernel_shim.cpp` (kernels of our own, compiled at run time by NVRTC) and sets
-//! `cfg(rivulet_cuda_graphs)` and `cfg(rivulet_cuda_kernels)`; without them the worker runs
-//! every CUDA step eagerly, on libtorch's ops alone.
+//! and sets `cfg(rivulet_cuda_graphs)`, and, where NVRTC's and the driver's headers are there
+//! too, `cuda/kernel_shim.cpp` (kernels of our own, compiled at run time by NVRTC) and
+//! `cfg(rivulet_cuda_kernels)`; without them the worker runs every CUDA step eagerly, on
+//! libtorch's ops alone.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -49,22 +50,44 @@ fn cuda_include_dirs(torch_lib: &Path) -> Option<Vec<PathBuf>> {
     crt.join("crt/host_config.h").exists().then(|| vec![runtime, crt])
 }
 
-fn build_cuda_shim(torch_lib: &Path) -> bool {
+/// What the C++ shims could be built with.
+struct CudaShims {
+    graphs: bool,
+    kernels: bool,
+}
+
+fn build_cuda_shims(torch_lib: &Path) -> CudaShims {
+    let none = CudaShims {
+        graphs: false,
+        kernels: false,
+    };
     let Some(torch_include) = torch_lib.parent().map(|torch| torch.join("include")) else {
-        return false;
+        return none;
     };
     if !torch_include.join("ATen/cuda/CUDAGraph.h").exists() {
-        return false;
+        return none;
     }
     let Some(cuda_includes) = cuda_include_dirs(torch_lib) else {
         println!("cargo:warning=no CUDA runtime headers found: CUDA steps run without graphs");
-        return false;
+        return none;
     };
+    // The kernel shim declares NVRTC's and the driver's calls from their headers (it opens the
+    // libraries at run time); without them decode attention gathers its blocks.
+    let kernels = ["nvrtc.h", "cuda.h"]
+        .iter()
+        .all(|header| cuda_includes.iter().any(|dir| dir.join(header).exists()));
+    if !kernels {
+        println!(
+            "cargo:warning=no nvrtc.h/cuda.h beside the CUDA runtime's headers: decode attention gathers its KV blocks"
+        );
+    }
     let cxx11_abi = python("import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))").unwrap_or_else(|| "1".into());
-    cc::Build::new()
-        .cpp(true)
-        .file("cuda/graph_shim.cpp")
-        .file("cuda/kernel_shim.cpp")
+    let mut build = cc::Build::new();
+    build.cpp(true).file("cuda/graph_shim.cpp");
+    if kernels {
+        build.file("cuda/kernel_shim.cpp");
+    }
+    build
         .include(&torch_include)
         .include(torch_include.join("torch/csrc/api/include"))
         .includes(cuda_includes)
@@ -73,8 +96,10 @@ fn build_cuda_shim(torch_lib: &Path) -> bool {
         .warnings(false)
         .compile("rivulet_cuda_shim");
     println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-lc10_cuda,--as-needed");
-    println!("cargo:rustc-link-lib=dl");
-    true
+    if kernels {
+        println!("cargo:rustc-link-lib=dl");
+    }
+    CudaShims { graphs: true, kernels }
 }
 
 fn main() {
@@ -89,8 +114,11 @@ fn main() {
         if dir.join("libtorch_cuda.so").exists() {
             println!("cargo:rustc-link-search=native={}", dir.display());
             println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
-            if build_cuda_shim(&dir) {
+            let shims = build_cuda_shims(&dir);
+            if shims.graphs {
                 println!("cargo:rustc-cfg=rivulet_cuda_graphs");
+            }
+            if shims.kernels {
                 println!("cargo:rustc-cfg=rivulet_cuda_kernels");
             }
         }

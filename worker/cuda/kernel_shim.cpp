@@ -90,6 +90,8 @@ struct Nvrtc {
       std::string folder = path.substr(0, path.find_last_of('/') + 1);
       candidates.push_back(folder + "libnvrtc.so.13");
       candidates.push_back(folder + "libnvrtc.so.12");
+      // CUDA 12's wheels keep each library in a folder of its own (nvidia/cuda_runtime/lib, ...).
+      candidates.push_back(folder + "../../cuda_nvrtc/lib/libnvrtc.so.12");
     }
     for (const char* name : {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"}) candidates.push_back(name);
     void* library = nullptr;

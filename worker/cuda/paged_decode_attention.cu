@@ -41,13 +41,14 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // queries: row `seq` at seq * query_row_stride, its heads HEAD_DIM apart; key_cache / value_cache:
-// [slots, kv_heads, HEAD_DIM]; block_tables: row `seq` at seq * table_row_stride; context_lens:
-// keys per sequence (>= 1); out: [batch, kv_heads * GROUP, HEAD_DIM].
+// [slots, kv_heads, HEAD_DIM]; block_tables: row `seq` at seq * table_row_stride, table_width
+// entries; context_lens: keys per sequence (>= 1; never read past the table's blocks, as the
+// gathered path clamps them); out: [batch, kv_heads * GROUP, HEAD_DIM].
 extern "C" __global__ void __launch_bounds__(THREADS)
     paged_decode_attention(const bf16* __restrict__ queries, i64 query_row_stride, const bf16* __restrict__ key_cache,
                            const bf16* __restrict__ value_cache, const i64* __restrict__ block_tables,
                            i64 table_row_stride, const i64* __restrict__ context_lens, bf16* __restrict__ out,
-                           int kv_heads, int block_size, float scale) {
+                           int kv_heads, int block_size, float scale, i64 table_width) {
   const int seq = blockIdx.x, kv_head = blockIdx.y, t = threadIdx.x;
   const int warp = t / 32, lane = t % 32;
   __shared__ float q[GROUP][HEAD_DIM];
@@ -60,11 +61,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     const int g = i / HEAD_DIM, d = i % HEAD_DIM;
     q[g][d] = bf16_to_float(queries[seq * query_row_stride + (i64)(kv_head * GROUP + g) * HEAD_DIM + d]);
   }
-  if (t < GROUP) {
-    running_max[t] = NEG_INF;
-    running_sum[t] = 0.f;
+  for (int g = t; g < GROUP; g += THREADS) {
+    running_max[g] = NEG_INF;
+    running_sum[g] = 0.f;
   }
-  const i64 context = context_lens[seq];
+  const i64 covered = table_width * block_size;
+  const i64 context = context_lens[seq] < covered ? context_lens[seq] : covered;
   const i64* table = block_tables + seq * table_row_stride;
   const int d = t % HEAD_DIM, part = t / HEAD_DIM;
   float acc[GROUP];

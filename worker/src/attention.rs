@@ -49,6 +49,9 @@ struct DecodeGroup {
     /// lengths (`[batch]`), i64 on the device.
     tables: Tensor,
     context: Tensor,
+    /// The group's sequences and its longest context (a bound, for graphs), known on the host.
+    sequences: i64,
+    max_keys: i64,
     keys: KeyGather,
 }
 
@@ -117,6 +120,8 @@ impl AttentionPlan {
                 keys: KeyGather::new(&tables, num_blocks, &allowed, kind),
                 tables,
                 context: on_device(&context),
+                sequences: decode_seqs.len() as i64,
+                max_keys: max_context,
             }
         });
         let chunks: Vec<usize> = (0..seqs.len()).filter(|&i| seqs[i].num_tokens > 1).collect();
@@ -184,6 +189,8 @@ impl AttentionPlan {
                 keys: KeyGather::new(block_tables, blocks, &allowed, kind),
                 tables: block_tables.shallow_clone(),
                 context: context.shallow_clone(),
+                sequences: batch,
+                max_keys: blocks * block_size,
             }),
             prefill: None,
             scale: 1.0 / (head_dim as f64).sqrt(),
@@ -210,7 +217,8 @@ impl AttentionPlan {
             } else {
                 queries.index_select(0, &group.token_rows)
             };
-            let through_kernel = paged.and_then(|kernel| {
+            let suited = paged.filter(|kernel| kernel.suits(group.sequences, group.max_keys));
+            let through_kernel = suited.and_then(|kernel| {
                 let cache = PagedKeys {
                     key_cache,
                     value_cache,

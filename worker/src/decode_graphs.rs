@@ -1,8 +1,8 @@
 //! Decode steps on CUDA through captured graphs (`worker.cuda_graphs`).
 //!
 //! A decode step of the libtorch engine is ~600 small kernels; launched one by one from the host
-//! it costs 10+ ms whatever the batch, while the GPU is busy for 1-2 ms of it at small batches and
-//! ~13 ms at 1024 sequences (measured on an H100: README, "On a GPU"). So, as vLLM does, each
+//! it costs 10+ ms whatever the batch, while the GPU is busy for 1-2 ms of it at small batches
+//! (measured on an H100: README, "On a GPU"). So, as vLLM does, each
 //! decode step whose shape fits is padded to a bucket (batch: [`batch_bucket`]; key blocks: the
 //! next power of two from [`MIN_BLOCKS`]) and run by replaying a graph captured for that bucket:
 //! one host-to-device copy of the step's inputs, one launch. A bucket's graph is captured on its
@@ -11,8 +11,9 @@
 //!
 //! Padding rows read and write one KV block the scheduler never hands out (the last one,
 //! reserved by [`DecodeGraphs::new`]'s caller); their logits are dropped. Every graph writes its
-//! logits into one buffer of [`MAX_BATCH`] rows, so the graphs' memory does not grow with the
-//! number of buckets (each graph's own intermediates come from one shared pool).
+//! logits into one buffer with the rows of the largest bucket captured (when a larger one comes,
+//! the buffer grows and the graphs are captured again as their buckets recur), so the graphs'
+//! memory does not grow with the number of buckets; their intermediates share one pool.
 
 use std::collections::HashMap;
 
@@ -32,9 +33,9 @@ pub const MAX_BATCH: i64 = 1024;
 pub const POWER_OF_TWO_BATCHES_UP_TO: i64 = 64;
 /// Fewest key blocks a bucket gathers (256 tokens at block size 16).
 pub const MIN_BLOCKS: i64 = 16;
-/// Largest `batch × blocks` run through a graph: its gathered keys and values take
-/// `2 · batch · blocks · block bytes` of the graphs' shared memory pool per layer in flight
-/// (400 MB for SmolLM2's 6 KB bf16 blocks).
+/// Largest `batch × blocks` run through a graph. Where decode attention gathers its blocks (no
+/// paged kernel), the copies take `2 · batch · blocks · block bytes` of the graphs' shared memory
+/// pool per layer in flight (400 MB for SmolLM2's 6 KB bf16 blocks).
 pub const MAX_BATCH_BLOCKS: i64 = 1 << 15;
 
 /// The batch a graph runs for a step of `rows` sequences (see [`POWER_OF_TWO_BATCHES_UP_TO`]), or
@@ -74,8 +75,8 @@ pub struct DecodeGraphs {
     block_size: i64,
     scratch_block: i64,
     captured: HashMap<(i64, i64), Captured>,
-    /// `[MAX_BATCH, vocab]` f32: where every graph writes its logits (the first rows of it),
-    /// allocated with the first capture.
+    /// `[largest bucket captured, vocab]` f32: where every graph writes its logits (the first rows
+    /// of it).
     logits: Option<Tensor>,
     /// Set after a capture fails: every step then runs eagerly.
     disabled: bool,
@@ -123,9 +124,14 @@ impl DecodeGraphs {
         let buffer = Tensor::from_slice(&inputs).to_device(device);
         let block_size = self.block_size;
         let logits = decode_forward(model, cache, &buffer, batch, blocks, block_size);
-        let shared_logits = self
-            .logits
-            .get_or_insert_with(|| Tensor::empty([MAX_BATCH, logits.size()[1]], (Kind::Float, device)));
+        if self.logits.as_ref().is_none_or(|shared| shared.size()[0] < batch) {
+            // The graphs captured so far write into the old buffer: they go, to be captured again.
+            self.captured.clear();
+            self.logits = Some(Tensor::empty([batch, logits.size()[1]], (Kind::Float, device)));
+        }
+        let Some(shared_logits) = &self.logits else {
+            return Some(logits.narrow(0, 0, rows));
+        };
         let mut graph_logits = shared_logits.narrow(0, 0, batch);
         let pool = self.captured.values().next().map(|c| &c.graph);
         match Graph::capture(self.device_index, pool, || {
@@ -145,6 +151,7 @@ impl DecodeGraphs {
         tracing::warn!(%error, "CUDA graphs disabled: decode steps run eagerly");
         self.disabled = true;
         self.captured.clear();
+        self.logits = None;
     }
 
     /// The (batch, blocks) bucket of a plain decode step, if one holds it.

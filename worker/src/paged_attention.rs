@@ -12,7 +12,8 @@
 //!
 //! `unsafe` here is the FFI calls alone. Their invariants: every pointer handed to the shim is
 //! live for the call (strings are `CString`s, tensors are held by the caller until the launch is
-//! queued, and libtorch's allocator keeps their memory for the stream's queued work); each
+//! queued; the launch goes on the stream libtorch allocated them for and runs the rest of the
+//! step's work on, so their memory is reused only after it, as for libtorch's own kernels); each
 //! argument slot points at a value of the type the kernel's parameter has, in its order; the
 //! kernel handle comes from a successful `rivulet_kernel_load` and lives as long as the process;
 //! an error string the shim returns is read once, then freed by the shim's own `free`.
@@ -23,6 +24,16 @@ use tch::{Device, Kind, Tensor};
 pub const SOURCE: &str = include_str!("../cuda/paged_decode_attention.cu");
 /// Threads per block (the source's `THREADS`).
 const THREADS: u32 = 128;
+/// Most query heads per KV head: each thread keeps a score and an accumulator per head in
+/// registers, and a block's shared memory grows with them.
+const MAX_GROUP: usize = 16;
+/// A thread block walks its sequence's keys alone, tile after tile; past this many keys it is
+/// used only when the step has [`MIN_BLOCKS_FOR_LONG_CONTEXTS`] blocks to spread over the GPU (a
+/// few sequences with long contexts attend faster gathered, where libtorch's kernels split the
+/// keys between blocks). Measured only up to 256 keys (README, "On a GPU"); the bounds are
+/// conservative guesses.
+const MAX_KEYS_ALONE: i64 = 1024;
+const MIN_BLOCKS_FOR_LONG_CONTEXTS: i64 = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
@@ -95,7 +106,7 @@ fn options(head_dim: usize, group: usize) -> String {
 
 /// Where a decode step's keys and values are: the flat caches `[slots, kv_heads, head_dim]`, each
 /// sequence's block table row (`tables`, `[n, width]` i64) and its number of keys (`context`, `[n]`
-/// i64, at least 1 and covered by its table).
+/// i64, at least 1; the kernel reads no further than its table's blocks cover).
 #[derive(Clone, Copy)]
 pub struct PagedKeys<'a> {
     pub key_cache: &'a Tensor,
@@ -118,13 +129,20 @@ pub struct PagedDecodeAttention {
 
 impl PagedDecodeAttention {
     /// Whether the kernel takes this shape: a head size that is a multiple of 8 (16-byte key
-    /// loads) dividing the block's threads, whole groups of query heads.
+    /// loads) dividing the block's threads, whole groups of at most [`MAX_GROUP`] query heads.
     pub fn supports(head_dim: usize, heads: usize, kv_heads: usize) -> bool {
         head_dim > 0
             && head_dim.is_multiple_of(8)
             && (THREADS as usize).is_multiple_of(head_dim)
             && kv_heads > 0
             && heads.is_multiple_of(kv_heads)
+            && (1..=MAX_GROUP).contains(&(heads / kv_heads))
+    }
+
+    /// Whether a decode group of `sequences` whose longest context is `max_keys` should take the
+    /// kernel (see [`MAX_KEYS_ALONE`]).
+    pub fn suits(&self, sequences: i64, max_keys: i64) -> bool {
+        max_keys <= MAX_KEYS_ALONE || sequences * self.kv_heads >= MIN_BLOCKS_FOR_LONG_CONTEXTS
     }
 
     /// Compiles and loads the kernel for `device` (CUDA) and the model's head shape.
@@ -177,11 +195,13 @@ impl PagedDecodeAttention {
             && packed(key_cache, Kind::BFloat16)
             && packed(value_cache, Kind::BFloat16)
             && key_cache.size() == value_cache.size()
-            && key_cache.size().get(1) == Some(&self.kv_heads)
+            && key_cache.size().get(1..) == Some(&[self.kv_heads, self.head_dim][..])
+            && (1..=i64::from(i32::MAX)).contains(&block_size)
             && tables.device() == device
             && tables.kind() == Kind::Int64
             && tables.dim() == 2
             && tables.size()[0] == n
+            && tables.size()[1] > 0
             && tables.stride()[1] == 1
             && packed(context, Kind::Int64)
             && context.size() == [n]
@@ -204,6 +224,7 @@ impl PagedDecodeAttention {
             kv_heads: self.kv_heads as i32,
             block_size: block_size as i32,
             scale: scale as f32,
+            table_width: tables.size()[1],
         };
         launch.run(self.kernel, self.device_index, n as u32, self.kv_heads as u32)?;
         Ok(Some(output))
@@ -224,6 +245,7 @@ struct Launch {
     kv_heads: i32,
     block_size: i32,
     scale: f32,
+    table_width: i64,
 }
 
 impl Launch {
@@ -245,6 +267,7 @@ impl Launch {
             slot(&mut self.kv_heads),
             slot(&mut self.block_size),
             slot(&mut self.scale),
+            slot(&mut self.table_width),
         ];
         // SAFETY: see the module's invariants: `args` points at this launch's fields, in the
         // kernel's parameter order and types, all live until the call returns (the driver copies
@@ -352,7 +375,7 @@ mod tests {
             eprintln!("skipped: this build has no CUDA kernel support");
             return;
         }
-        for (head_dim, group) in [(64, 3), (128, 4), (64, 1), (32, 8)] {
+        for (head_dim, group) in [(64, 3), (128, 4), (64, 1), (32, 8), (128, MAX_GROUP)] {
             assert!(PagedDecodeAttention::supports(head_dim, 3 * group, 3));
             for arch in ["compute_80", "compute_90"] {
                 let ptx = compile_only(head_dim, group, arch).unwrap_or_else(|error| panic!("{error}"));
@@ -368,5 +391,6 @@ mod tests {
         assert!(!PagedDecodeAttention::supports(12, 9, 3)); // not a multiple of 8
         assert!(!PagedDecodeAttention::supports(64, 9, 2)); // partial groups
         assert!(!PagedDecodeAttention::supports(64, 9, 0));
+        assert!(!PagedDecodeAttention::supports(64, 64, 2)); // groups of 32: past MAX_GROUP
     }
 }

@@ -229,7 +229,8 @@ impl Worker {
                 }
                 Engine::Torch { model, kv_cache, .. } => {
                     let device = model.device;
-                    let table = Tensor::zeros([1, 1], (Kind::Int64, device));
+                    // Three entries: the three tokens' blocks whatever the block size (block 0 each).
+                    let table = Tensor::zeros([1, 3], (Kind::Int64, device));
                     let ids = Tensor::zeros([count], (Kind::Int64, device));
                     let positions = Tensor::from_slice(&positions).to_device(device);
                     let plan = AttentionPlan::new(

@@ -364,3 +364,78 @@ fn paged_decode_kernel_matches_gathered_attention() {
         assert!(max < 3e-2 && mean < 3e-3, "max {max}, mean {mean}");
     }
 }
+
+/// The kernel on shapes other than SmolLM2's — head sizes 32 and 128, groups of 1, 4, 8 and 4,
+/// blocks of 1, 7, 16 and 32 tokens — and on contexts past what a table's blocks cover (the
+/// kernel, like the gathered path, reads no further), against the gathered path.
+#[test]
+fn paged_decode_kernel_takes_other_shapes() {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device on this machine");
+        return;
+    }
+    let _gpu = gpu_to_ourselves();
+    let _guard = tch::no_grad_guard();
+    let device = Device::Cuda(0);
+    tch::manual_seed(12);
+    for (heads, kv_heads, dim, block_size) in [
+        (8i64, 8i64, 128i64, 16i64),
+        (16, 4, 128, 7),
+        (8, 1, 32, 1),
+        (12, 3, 64, 32),
+    ] {
+        let kernel = PagedDecodeAttention::load(device, dim as usize, heads as usize, kv_heads as usize)
+            .unwrap_or_else(|error| panic!("{heads}/{kv_heads} heads of {dim}: {error}"));
+        let width = 8i64;
+        let contexts = [
+            1,
+            block_size,
+            block_size + 1,
+            3 * block_size + 2,
+            width * block_size,
+            width * block_size + 5,
+        ];
+        let n = contexts.len() as i64;
+        let pool = n * width + 3;
+        let keys = Tensor::randn([pool * block_size, kv_heads, dim], (Kind::BFloat16, device));
+        let values = Tensor::randn([pool * block_size, kv_heads, dim], (Kind::BFloat16, device));
+        let tables = Tensor::randperm(pool, (Kind::Int64, device))
+            .narrow(0, 0, n * width)
+            .view([n, width]);
+        let seqs: Vec<SeqSlice> = contexts
+            .iter()
+            .enumerate()
+            .map(|(i, &context)| SeqSlice {
+                first_token: i as i64,
+                num_tokens: 1,
+                context_len: context,
+            })
+            .collect();
+        let queries = Tensor::randn([n, heads, dim], (Kind::BFloat16, device));
+        let plan = AttentionPlan::new(&seqs, &tables, block_size, dim as usize, device, Kind::BFloat16);
+        let gathered = plan.attend(&queries, &keys, &values, None).to_kind(Kind::Float);
+        let context = Tensor::from_slice(&contexts).to_device(device);
+        let cache = PagedKeys {
+            key_cache: &keys,
+            value_cache: &values,
+            tables: &tables,
+            context: &context,
+            block_size,
+        };
+        let paged = kernel
+            .attend(&queries, &cache, 1.0 / (dim as f64).sqrt())
+            .expect("a launch")
+            .expect("the kernel takes this layout")
+            .to_kind(Kind::Float)
+            .view([n, heads * dim]);
+        let difference = (&paged - &gathered).abs();
+        let (max, mean) = (
+            difference.max().double_value(&[]),
+            difference.mean(Kind::Float).double_value(&[]),
+        );
+        eprintln!(
+            "{heads}/{kv_heads} heads of {dim}, blocks of {block_size}: max |difference| {max:.2e}, mean {mean:.2e}"
+        );
+        assert!(max < 3e-2 && mean < 3e-3, "max {max}, mean {mean}");
+    }
+}
