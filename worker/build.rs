@@ -108,6 +108,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-changed=cuda/graph_shim.cpp");
     println!("cargo:rerun-if-changed=cuda/kernel_shim.cpp");
+    println!("cargo:rerun-if-changed=cuda/shim_answer.h");
     println!("cargo::rustc-check-cfg=cfg(rivulet_cuda_graphs)");
     println!("cargo::rustc-check-cfg=cfg(rivulet_cuda_kernels)");
     if let Some(dir) = torch_lib_dir() {

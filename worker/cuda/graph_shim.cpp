@@ -1,6 +1,6 @@
 // CUDA graph capture and replay for the worker: the few calls of at::cuda::CUDAGraph that tch does
 // not wrap, behind a C interface. No C++ exception crosses it: each call returns null on success
-// or an error message the caller frees with rivulet_graph_free_error.
+// or an error message the caller frees with rivulet_shim_free_error (see shim_answer.h).
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
@@ -8,6 +8,8 @@
 #include <cstring>
 #include <exception>
 #include <optional>
+
+#include "shim_answer.h"
 
 namespace {
 
@@ -19,23 +21,7 @@ struct Graph {
   std::optional<c10::cuda::CUDAStream> previous_stream;
 };
 
-char* copy_message(const char* message) {
-  char* copy = static_cast<char*>(std::malloc(std::strlen(message) + 1));
-  if (copy != nullptr) std::strcpy(copy, message);
-  return copy;
-}
-
-template <typename F>
-char* guarded(F&& body) {
-  try {
-    body();
-    return nullptr;
-  } catch (const std::exception& error) {
-    return copy_message(error.what());
-  } catch (...) {
-    return copy_message("unknown C++ exception");
-  }
-}
+using rivulet_shim::guarded;
 
 }  // namespace
 
@@ -51,7 +37,7 @@ void* rivulet_graph_new() {
 
 void rivulet_graph_delete(void* graph) { delete static_cast<Graph*>(graph); }
 
-void rivulet_graph_free_error(char* message) { std::free(message); }
+void rivulet_shim_free_error(char* message) { std::free(message); }
 
 // Makes a side stream of `device` current and starts capturing on it; `pool_source` (may be null)
 // is an earlier graph whose memory pool this one shares (graphs replayed one at a time may).

@@ -2,9 +2,8 @@
 // driver loads it, and launches go on libtorch's current stream (so a CUDA graph being captured
 // records them like any libtorch op). Neither library is linked: libnvrtc is opened from beside the
 // CUDA runtime libtorch loaded (the `nvidia` wheels), libcuda (the driver) by its soname, both at
-// first use, so the worker still starts on machines without them. Behind a C interface; no C++
-// exception crosses it: each call returns null on success or an error message the caller frees
-// with rivulet_kernel_free_error.
+// first use, so the worker still starts on machines without them. Behind a C interface that
+// answers as shim_answer.h says.
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda.h>
@@ -18,25 +17,11 @@
 #include <string>
 #include <vector>
 
+#include "shim_answer.h"
+
 namespace {
 
-char* copy_message(const std::string& message) {
-  char* copy = static_cast<char*>(std::malloc(message.size() + 1));
-  if (copy != nullptr) std::memcpy(copy, message.c_str(), message.size() + 1);
-  return copy;
-}
-
-template <typename F>
-char* guarded(F&& body) {
-  try {
-    body();
-    return nullptr;
-  } catch (const std::exception& error) {
-    return copy_message(error.what());
-  } catch (...) {
-    return copy_message("unknown C++ exception");
-  }
-}
+using rivulet_shim::guarded;
 
 [[noreturn]] void fail(const std::string& message) { throw std::runtime_error(message); }
 
@@ -224,8 +209,6 @@ void make_primary_context_current(const Driver& driver, int device) {
 }  // namespace
 
 extern "C" {
-
-void rivulet_kernel_free_error(char* message) { std::free(message); }
 
 // Compiles `source` with `options` (space-separated) for a virtual architecture
 // (`compute_XY`) and writes the PTX's length to `*ptx_size`, without a GPU: a check that the

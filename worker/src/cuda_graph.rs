@@ -7,7 +7,7 @@
 //!
 //! `unsafe` here is the FFI calls alone. Their invariants: a [`Graph`] owns its C++ object from
 //! `rivulet_graph_new` until `Drop` deletes it, once; every call gets that live pointer; an error
-//! string the shim returns is read once, then freed by the shim's own `free`. A capture runs on the
+//! string the shim returns goes to [`crate::cuda_shim::check`]. A capture runs on the
 //! calling thread, between `capture_begin` and `capture_end`, with no other CUDA work issued from
 //! elsewhere in the process (the worker runs its steps on one thread).
 
@@ -28,25 +28,12 @@ mod ffi {
     extern "C" {
         pub fn rivulet_graph_new() -> *mut c_void;
         pub fn rivulet_graph_delete(graph: *mut c_void);
-        pub fn rivulet_graph_free_error(message: *mut c_char);
         pub fn rivulet_graph_capture_begin(graph: *mut c_void, pool_source: *mut c_void, device: c_int) -> *mut c_char;
         pub fn rivulet_graph_capture_end(graph: *mut c_void) -> *mut c_char;
         pub fn rivulet_graph_replay(graph: *mut c_void) -> *mut c_char;
     }
 
-    /// Turns the shim's answer into a result, freeing its message.
-    pub fn check(message: *mut c_char) -> Result<(), String> {
-        if message.is_null() {
-            return Ok(());
-        }
-        // SAFETY: a non-null answer is a NUL-terminated string the shim allocated for us; it is
-        // read once here and then freed by the shim.
-        let text = unsafe { std::ffi::CStr::from_ptr(message) }
-            .to_string_lossy()
-            .into_owned();
-        unsafe { rivulet_graph_free_error(message) };
-        Err(text)
-    }
+    pub use crate::cuda_shim::check;
 }
 
 /// A captured, instantiated graph.

@@ -124,13 +124,16 @@ impl DecodeGraphs {
         let buffer = Tensor::from_slice(&inputs).to_device(device);
         let block_size = self.block_size;
         let logits = decode_forward(model, cache, &buffer, batch, blocks, block_size);
-        if self.logits.as_ref().is_none_or(|shared| shared.size()[0] < batch) {
-            // The graphs captured so far write into the old buffer: they go, to be captured again.
-            self.captured.clear();
-            self.logits = Some(Tensor::empty([batch, logits.size()[1]], (Kind::Float, device)));
-        }
-        let Some(shared_logits) = &self.logits else {
-            return Some(logits.narrow(0, 0, rows));
+        let shared_logits = match &self.logits {
+            Some(shared) if shared.size()[0] >= batch => shared.shallow_clone(),
+            _ => {
+                // The graphs captured so far write into the old buffer: they go, to be captured
+                // again as their buckets recur.
+                self.captured.clear();
+                let grown = Tensor::empty([batch, logits.size()[1]], (Kind::Float, device));
+                self.logits = Some(grown.shallow_clone());
+                grown
+            }
         };
         let mut graph_logits = shared_logits.narrow(0, 0, batch);
         let pool = self.captured.values().next().map(|c| &c.graph);

@@ -20,6 +20,8 @@ pub mod attention;
 pub mod config;
 pub mod cpu_model;
 pub mod cuda_graph;
+#[cfg(rivulet_cuda_graphs)]
+mod cuda_shim;
 pub mod decode_graphs;
 pub mod device;
 pub mod error;

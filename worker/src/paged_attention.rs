@@ -16,7 +16,7 @@
 //! step's work on, so their memory is reused only after it, as for libtorch's own kernels); each
 //! argument slot points at a value of the type the kernel's parameter has, in its order; the
 //! kernel handle comes from a successful `rivulet_kernel_load` and lives as long as the process;
-//! an error string the shim returns is read once, then freed by the shim's own `free`.
+//! an error string the shim returns goes to [`crate::cuda_shim::check`].
 
 use tch::{Device, Kind, Tensor};
 
@@ -54,7 +54,6 @@ mod ffi {
     use std::ffi::{c_char, c_int, c_uint, c_void};
 
     extern "C" {
-        pub fn rivulet_kernel_free_error(message: *mut c_char);
         pub fn rivulet_kernel_compile_only(
             source: *const c_char,
             name: *const c_char,
@@ -80,19 +79,7 @@ mod ffi {
         ) -> *mut c_char;
     }
 
-    /// Turns the shim's answer into a result, freeing its message.
-    pub fn check(message: *mut c_char) -> Result<(), String> {
-        if message.is_null() {
-            return Ok(());
-        }
-        // SAFETY: a non-null answer is a NUL-terminated string the shim allocated for us; it is
-        // read once here and then freed by the shim.
-        let text = unsafe { std::ffi::CStr::from_ptr(message) }
-            .to_string_lossy()
-            .into_owned();
-        unsafe { rivulet_kernel_free_error(message) };
-        Err(text)
-    }
+    pub use crate::cuda_shim::check;
 
     pub fn c_string(text: &str) -> Result<std::ffi::CString, String> {
         std::ffi::CString::new(text).map_err(|_| format!("{text:?} holds a NUL byte"))

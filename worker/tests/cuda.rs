@@ -296,24 +296,17 @@ fn paged_decode_kernel_matches_gathered_attention() {
         PagedDecodeAttention::load(device, dim as usize, heads as usize, kv_heads as usize).expect("the kernel");
     tch::manual_seed(11);
     let contexts = [1i64, 16, 17, 100, 128, 129, 255, 256, 300, 384];
-    let pool = contexts.len() as i64 * width + 5;
-    let slots = pool * BLOCK_SIZE;
-    let keys = Tensor::randn([slots, kv_heads, dim], (Kind::BFloat16, device));
-    let values = Tensor::randn([slots, kv_heads, dim], (Kind::BFloat16, device));
-    let scattered = Tensor::randperm(pool, (Kind::Int64, device));
-    let tables = scattered
-        .narrow(0, 0, contexts.len() as i64 * width)
-        .view([contexts.len() as i64, width]);
+    let layout = PagedLayout {
+        rows: contexts.len() as i64,
+        width,
+        spare_blocks: 5,
+        block_size: BLOCK_SIZE,
+        kv_heads,
+        dim,
+    };
+    let RandomCache { keys, values, tables } = layout.random_cache(device);
     // Decode only, then the same decode rows with a 5-token prefill chunk before and after them.
-    let decode: Vec<SeqSlice> = contexts
-        .iter()
-        .enumerate()
-        .map(|(i, &context)| SeqSlice {
-            first_token: i as i64,
-            num_tokens: 1,
-            context_len: context,
-        })
-        .collect();
+    let decode = decode_only(&contexts);
     let mut mixed = vec![SeqSlice {
         first_token: 0,
         num_tokens: 5,
@@ -354,14 +347,7 @@ fn paged_decode_kernel_matches_gathered_attention() {
             let direct = direct.to_kind(Kind::Float).view([tokens, heads * dim]);
             assert!(direct.equal(&paged), "the plan attends through the kernel");
         }
-        let difference = (&paged - &gathered).abs();
-        let (max, mean) = (
-            difference.max().double_value(&[]),
-            difference.mean(Kind::Float).double_value(&[]),
-        );
-        eprintln!("{} sequences: max |difference| {max:.2e}, mean {mean:.2e}", seqs.len());
-        // bf16 outputs of magnitude ~1 are 2^-8 apart; SDPA also rounds its weights to bf16.
-        assert!(max < 3e-2 && mean < 3e-3, "max {max}, mean {mean}");
+        assert_agrees(&paged, &gathered, &format!("{} sequences", seqs.len()));
     }
 }
 
@@ -396,21 +382,16 @@ fn paged_decode_kernel_takes_other_shapes() {
             width * block_size + 5,
         ];
         let n = contexts.len() as i64;
-        let pool = n * width + 3;
-        let keys = Tensor::randn([pool * block_size, kv_heads, dim], (Kind::BFloat16, device));
-        let values = Tensor::randn([pool * block_size, kv_heads, dim], (Kind::BFloat16, device));
-        let tables = Tensor::randperm(pool, (Kind::Int64, device))
-            .narrow(0, 0, n * width)
-            .view([n, width]);
-        let seqs: Vec<SeqSlice> = contexts
-            .iter()
-            .enumerate()
-            .map(|(i, &context)| SeqSlice {
-                first_token: i as i64,
-                num_tokens: 1,
-                context_len: context,
-            })
-            .collect();
+        let layout = PagedLayout {
+            rows: n,
+            width,
+            spare_blocks: 3,
+            block_size,
+            kv_heads,
+            dim,
+        };
+        let RandomCache { keys, values, tables } = layout.random_cache(device);
+        let seqs = decode_only(&contexts);
         let queries = Tensor::randn([n, heads, dim], (Kind::BFloat16, device));
         let plan = AttentionPlan::new(&seqs, &tables, block_size, dim as usize, device, Kind::BFloat16);
         let gathered = plan.attend(&queries, &keys, &values, None).to_kind(Kind::Float);
@@ -428,14 +409,67 @@ fn paged_decode_kernel_takes_other_shapes() {
             .expect("the kernel takes this layout")
             .to_kind(Kind::Float)
             .view([n, heads * dim]);
-        let difference = (&paged - &gathered).abs();
-        let (max, mean) = (
-            difference.max().double_value(&[]),
-            difference.mean(Kind::Float).double_value(&[]),
+        assert_agrees(
+            &paged,
+            &gathered,
+            &format!("{heads}/{kv_heads} heads of {dim}, blocks of {block_size}"),
         );
-        eprintln!(
-            "{heads}/{kv_heads} heads of {dim}, blocks of {block_size}: max |difference| {max:.2e}, mean {mean:.2e}"
-        );
-        assert!(max < 3e-2 && mean < 3e-3, "max {max}, mean {mean}");
     }
+}
+
+/// A paged cache's shape for the kernel tests: `rows` tables of `width` blocks each, the blocks
+/// (and `spare_blocks` more) of `block_size` slots of `kv_heads` heads of `dim`.
+struct PagedLayout {
+    rows: i64,
+    width: i64,
+    spare_blocks: i64,
+    block_size: i64,
+    kv_heads: i64,
+    dim: i64,
+}
+
+struct RandomCache {
+    keys: Tensor,
+    values: Tensor,
+    /// `[rows, width]`: distinct blocks scattered through the cache.
+    tables: Tensor,
+}
+
+impl PagedLayout {
+    /// Random bf16 keys and values, and tables naming distinct blocks in random order.
+    fn random_cache(&self, device: Device) -> RandomCache {
+        let pool = self.rows * self.width + self.spare_blocks;
+        let shape = [pool * self.block_size, self.kv_heads, self.dim];
+        let keys = Tensor::randn(shape, (Kind::BFloat16, device));
+        let values = Tensor::randn(shape, (Kind::BFloat16, device));
+        let tables = Tensor::randperm(pool, (Kind::Int64, device))
+            .narrow(0, 0, self.rows * self.width)
+            .view([self.rows, self.width]);
+        RandomCache { keys, values, tables }
+    }
+}
+
+/// One decode token per sequence, sequence `i` at row `i` with `contexts[i]` keys.
+fn decode_only(contexts: &[i64]) -> Vec<SeqSlice> {
+    contexts
+        .iter()
+        .enumerate()
+        .map(|(i, &context)| SeqSlice {
+            first_token: i as i64,
+            num_tokens: 1,
+            context_len: context,
+        })
+        .collect()
+}
+
+/// The kernel's attention against the gathered path's, within bf16's rounding: outputs of
+/// magnitude ~1 are 2^-8 apart, and SDPA rounds its weights to bf16 too.
+fn assert_agrees(paged: &Tensor, gathered: &Tensor, label: &str) {
+    let difference = (paged - gathered).abs();
+    let (max, mean) = (
+        difference.max().double_value(&[]),
+        difference.mean(Kind::Float).double_value(&[]),
+    );
+    eprintln!("{label}: max |difference| {max:.2e}, mean {mean:.2e}");
+    assert!(max < 3e-2 && mean < 3e-3, "{label}: max {max}, mean {mean}");
 }
