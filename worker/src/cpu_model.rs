@@ -19,6 +19,7 @@ use crate::attention::SeqSlice;
 use crate::config::ModelConfig;
 use crate::error::WorkerError;
 use crate::kv_cache::HostKvCache;
+use crate::step_phases::{Phase, PhaseClock, StepPhases};
 use crate::weights::ModelWeights;
 
 /// One projection: its matrices filling consecutive output columns. Matrices of one format are
@@ -284,7 +285,22 @@ impl CpuModel {
     /// Runs the step and returns f32 logits `[logit_rows, vocab]`, row-major. The pool's
     /// threads stay awake from the first layer to the last ([`install_awake`]).
     pub fn forward(&self, step: &HostStepInputs<'_>, cache: &mut HostKvCache) -> Result<Vec<f32>, WorkerError> {
-        install_awake(&self.pool, || self.forward_in_pool(step, cache))
+        install_awake(&self.pool, || {
+            self.forward_in_pool(step, cache, &mut PhaseClock::untimed())
+        })
+    }
+
+    /// [`Self::forward`], adding the step's wall time per phase to `phases` (the worker bench's
+    /// breakdown; see [`crate::step_phases`]).
+    pub fn forward_timed(
+        &self,
+        step: &HostStepInputs<'_>,
+        cache: &mut HostKvCache,
+        phases: &mut StepPhases,
+    ) -> Result<Vec<f32>, WorkerError> {
+        install_awake(&self.pool, || {
+            self.forward_in_pool(step, cache, &mut PhaseClock::timing(phases))
+        })
     }
 
     /// Runs `work` on the kernels' threads (its parallel loops use them rather than rayon's
@@ -293,7 +309,12 @@ impl CpuModel {
         self.pool.install(work)
     }
 
-    fn forward_in_pool(&self, step: &HostStepInputs<'_>, cache: &mut HostKvCache) -> Result<Vec<f32>, WorkerError> {
+    fn forward_in_pool(
+        &self,
+        step: &HostStepInputs<'_>,
+        cache: &mut HostKvCache,
+        clock: &mut PhaseClock<'_>,
+    ) -> Result<Vec<f32>, WorkerError> {
         let config = &self.config;
         let (hidden_size, kv_dim) = (config.hidden_size, config.kv_dim());
         let q_dim = config.num_heads * config.head_dim;
@@ -324,12 +345,15 @@ impl CpuModel {
         act.attended.resize(tokens * q_dim, 0.0);
         act.activated.resize(tokens * config.intermediate_size, 0.0);
         let layers = &self.weights.layers;
+        clock.lap(Phase::Embedding);
         if let Some(first) = layers.first() {
             rms_norm(&act.hidden, &first.attn_norm, eps, &mut act.normed);
         }
+        clock.lap(Phase::Norms);
         for (index, (layer, kv)) in layers.iter().zip(&mut cache.layers).enumerate() {
             // `act.normed` holds this layer's attention norm of the residual stream.
             layer.qkv.apply(&act.normed, tokens, &mut act.qkv)?;
+            clock.lap(Phase::Qkv);
             rotate_queries_and_keys(&self.rope, &mut act.qkv, qkv_width, q_dim, kv_dim, step.positions);
             for (t, row) in act.qkv.chunks_exact(qkv_width).enumerate() {
                 let (k, v) = row[q_dim..].split_at(kv_dim);
@@ -337,6 +361,7 @@ impl CpuModel {
                 kv.keys[slot * kv_dim..(slot + 1) * kv_dim].copy_from_slice(k);
                 kv.values[slot * kv_dim..(slot + 1) * kv_dim].copy_from_slice(v);
             }
+            clock.lap(Phase::RotaryAndCacheWrite);
             paged_attention(
                 shape,
                 &act.qkv,
@@ -346,16 +371,23 @@ impl CpuModel {
                 &kv.values,
                 &mut act.attended,
             );
+            clock.lap(Phase::Attention);
             layer.o.apply(&act.attended, tokens, &mut act.projected)?;
+            clock.lap(Phase::Output);
             add_rms_norm(&mut act.hidden, &act.projected, &layer.ffn_norm, eps, &mut act.normed);
+            clock.lap(Phase::Norms);
             layer.gate_up.apply(&act.normed, tokens, &mut act.gate_up)?;
+            clock.lap(Phase::GateUp);
             silu_mul(&act.gate_up, config.intermediate_size, &mut act.activated);
+            clock.lap(Phase::SiluMul);
             layer.down.apply(&act.activated, tokens, &mut act.projected)?;
+            clock.lap(Phase::Down);
             // The next layer's attention norm joins this layer's residual add; after the last
             // layer only the sampled rows are summed (below).
             if let Some(next) = layers.get(index + 1) {
                 add_rms_norm(&mut act.hidden, &act.projected, &next.attn_norm, eps, &mut act.normed);
             }
+            clock.lap(Phase::Norms);
         }
 
         // Only the sampled rows need the (vocabulary-sized) output head.
@@ -379,6 +411,7 @@ impl CpuModel {
         let head = self.weights.lm_head.as_ref().unwrap_or(&self.weights.token_embedding);
         let mut logits = vec![0.0; rows * config.vocab_size];
         head.matmul(&normed, rows, &mut logits)?;
+        clock.lap(Phase::Head);
         Ok(logits)
     }
 

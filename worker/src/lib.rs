@@ -38,6 +38,7 @@ pub mod rope;
 pub mod sampler;
 pub mod service;
 pub mod step;
+pub mod step_phases;
 pub mod step_view;
 pub mod weights;
 

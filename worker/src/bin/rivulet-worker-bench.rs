@@ -6,6 +6,12 @@
 //!
 //! RIVULET_BENCH_DEVICE=cuda:N times the libtorch engine on that GPU instead, in bf16 as the worker
 //! runs it there, against the GPU's measured bf16 matmul rate and memory read bandwidth.
+//!
+//! The kernels' KV cache is filled with values before any step is timed: its pages are mapped
+//! only when first written, and every read of a page never written lands on the kernel's one
+//! shared zero page, always in cache, which made attention look ~2× cheaper than with a real
+//! context. RIVULET_BENCH_PHASES=1 also prints where the kernels' decode steps spend their time
+//! ([`rivulet_worker::step_phases`]).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -19,6 +25,7 @@ use rivulet_worker::cpu_model::{CpuModel, CpuWeights, HostStepInputs};
 use rivulet_worker::kernel_sampling::{sample_rows, RowRequest};
 use rivulet_worker::kv_cache::{HostKvCache, KvCache};
 use rivulet_worker::model::{ForwardInputs, LlamaModel};
+use rivulet_worker::step_phases::{Phase, StepPhases};
 use rivulet_worker::weights::ModelWeights;
 use tch::{Device, Kind, Tensor};
 
@@ -154,10 +161,15 @@ fn main() -> anyhow::Result<()> {
         }
         let weight_bytes = weights.projection_bytes() as f64;
         let model = CpuModel::new(config.clone(), weights, 2048, threads)?;
-        let cache = HostKvCache::allocate(&config, BLOCK_SIZE as usize, bytes, 1024)?;
+        let mut cache = HostKvCache::allocate(&config, BLOCK_SIZE as usize, bytes, 1024)?;
+        fill_like_a_context(&mut cache);
         runs.push((
             "kernels".to_owned(),
-            Box::new(KernelsBench { model, cache }),
+            Box::new(KernelsBench {
+                model,
+                cache,
+                phases: None,
+            }),
             weight_bytes,
         ));
     }
@@ -206,9 +218,15 @@ fn main() -> anyhow::Result<()> {
             );
         };
         println!("{name}: weights read per step {:.1} MB", *weight_bytes / 1e6);
+        let phases_wanted = std::env::var_os("RIVULET_BENCH_PHASES").is_some();
         for &batch in &batches {
             let seconds = median_seconds(device, decode_runs, || engine.decode(batch, context, blocks_per_seq));
             report(&format!("decode batch {batch} @{context}"), seconds, batch, context);
+            if phases_wanted {
+                if let Some(phases) = engine.decode_phases(batch, context, blocks_per_seq, decode_runs) {
+                    print_phases(&phases);
+                }
+            }
         }
         // RIVULET_BENCH_NO_PREFILL=1 leaves the prefill out (e.g. to profile decode alone).
         if std::env::var_os("RIVULET_BENCH_NO_PREFILL").is_some() {
@@ -221,15 +239,52 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Writes every key and value of the cache (see the module docs): small values that vary from
+/// slot to slot, so that scores differ as a real context's do.
+fn fill_like_a_context(cache: &mut HostKvCache) {
+    for layer in &mut cache.layers {
+        for (i, key) in layer.keys.iter_mut().enumerate() {
+            *key = ((i * 7919 % 2003) as f32 - 1001.0) * 1e-3;
+        }
+        for (i, value) in layer.values.iter_mut().enumerate() {
+            *value = ((i * 104_729 % 1999) as f32 - 999.0) * 1e-3;
+        }
+    }
+}
+
+/// One line per phase of a decode step: mean µs and share of the step.
+fn print_phases(phases: &StepPhases) {
+    let step = phases.mean_step_seconds();
+    let parts: Vec<String> = Phase::ALL
+        .iter()
+        .map(|&phase| {
+            let seconds = phases.mean_seconds(phase);
+            format!(
+                "{} {:.0} µs ({:.0}%)",
+                phase.name(),
+                seconds * 1e6,
+                100.0 * seconds / step
+            )
+        })
+        .collect();
+    println!("  phases of a step ({:.2} ms timed): {}", step * 1e3, parts.join(", "));
+}
+
 /// One engine's steps: `batch` sequences decoding at `context`, or one `context`-token prefill.
 trait BenchEngine {
     fn decode(&mut self, batch: i64, context: i64, blocks_per_seq: i64);
     fn prefill(&mut self, context: i64, blocks_per_seq: i64);
+    /// `runs` decode steps timed phase by phase, where the engine can tell.
+    fn decode_phases(&mut self, _batch: i64, _context: i64, _blocks_per_seq: i64, _runs: usize) -> Option<StepPhases> {
+        None
+    }
 }
 
 struct KernelsBench {
     model: CpuModel,
     cache: HostKvCache,
+    /// Where a step's time goes, while [`BenchEngine::decode_phases`] runs.
+    phases: Option<StepPhases>,
 }
 
 impl KernelsBench {
@@ -252,7 +307,11 @@ impl KernelsBench {
             max_blocks,
             logit_rows: &rows,
         };
-        let logits = self.model.forward(&step, &mut self.cache).expect("a well-formed step");
+        let logits = match &mut self.phases {
+            Some(phases) => self.model.forward_timed(&step, &mut self.cache, phases),
+            None => self.model.forward(&step, &mut self.cache),
+        }
+        .expect("a well-formed step");
         let vocab = self.model.config.vocab_size;
         // Greedy rows (temperature 0, no penalty history), as the benchmarks serve them.
         let requests = vec![
@@ -295,6 +354,14 @@ impl BenchEngine for KernelsBench {
         let positions: Vec<i64> = (0..context).collect();
         let ids = vec![100; context as usize];
         self.run(&ids, &positions, &positions, &seqs, &tables, blocks_per_seq as usize);
+    }
+
+    fn decode_phases(&mut self, batch: i64, context: i64, blocks_per_seq: i64, runs: usize) -> Option<StepPhases> {
+        self.phases = Some(StepPhases::default());
+        for _ in 0..runs {
+            self.decode(batch, context, blocks_per_seq);
+        }
+        self.phases.take()
     }
 }
 
