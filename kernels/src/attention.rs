@@ -30,8 +30,17 @@ impl AttentionShape {
         self.heads / self.kv_heads
     }
 
-    fn kv_width(&self) -> usize {
-        self.kv_heads * self.head_dim
+    /// Where KV head `kv_head`'s row of cache slot `slot` starts in a layer's keys (or values).
+    ///
+    /// The layout is `[blocks][kv_heads][block_size][head_dim]`: within a block, each KV head's
+    /// rows are consecutive, so a (token, KV head) pair reads `block_size · head_dim` contiguous
+    /// values per block. Why: with every slot's heads side by side (`[slots][kv_heads ·
+    /// head_dim]`), a pair read a quarter of each 768-byte slot of SmolLM2's, and attention over
+    /// a real context took a third of a 32-sequence step on Zen 3, reading at about half the
+    /// memory's speed.
+    pub fn cache_offset(&self, slot: usize, kv_head: usize) -> usize {
+        let (block, within) = (slot / self.block_size, slot % self.block_size);
+        ((block * self.kv_heads + kv_head) * self.block_size + within) * self.head_dim
     }
 }
 
@@ -61,7 +70,7 @@ const MIN_PART_KEYS: usize = 64;
 
 /// `out[t]` (`heads · head_dim` values) = softmax(q·Kᵀ · scale) · V for each token `t`.
 /// `queries` holds token `t`'s heads at `t · query_stride`; `keys`/`values` are the layer's cache,
-/// `[slots][kv_heads · head_dim]`.
+/// laid out as [`AttentionShape::cache_offset`] says.
 pub fn paged_attention(
     shape: AttentionShape,
     queries: &[f32],
@@ -250,7 +259,6 @@ impl KeyRows<'_> {
     /// block are consecutive, so no per-key division.
     fn offsets_into(&self, offsets: &mut Vec<usize>) {
         let shape = self.shape;
-        let head_at = self.kv_head * shape.head_dim;
         offsets.clear();
         // The caller checked that the table covers every visible key; were it short, the missing
         // keys would silently drop out of the softmax, so this stays a check in release builds.
@@ -263,8 +271,11 @@ impl KeyRows<'_> {
         while key < self.keys.end {
             let (index, within) = (key / shape.block_size, key % shape.block_size);
             let count = (shape.block_size - within).min(self.keys.end - key);
-            let base = self.token.block_table[index] as usize * shape.block_size + within;
-            offsets.extend((base..base + count).map(|slot| slot * shape.kv_width() + head_at));
+            let first = shape.cache_offset(
+                self.token.block_table[index] as usize * shape.block_size + within,
+                self.kv_head,
+            );
+            offsets.extend((0..count).map(|row| first + row * shape.head_dim));
             key += count;
         }
     }
@@ -367,10 +378,12 @@ mod tests {
     use super::*;
 
     /// The key (or value) row of KV head `kv_head` for the sequence's `index`-th token, found
-    /// independently of `attend_group`'s block walk.
+    /// independently of `attend_group`'s block walk (the cache is `[blocks][kv_heads]
+    /// [block_size][head_dim]`).
     fn kv_row<'c>(shape: AttentionShape, cache: &'c [f32], table: &[i64], index: usize, kv_head: usize) -> &'c [f32] {
-        let slot = table[index / shape.block_size] as usize * shape.block_size + index % shape.block_size;
-        let at = slot * shape.kv_width() + kv_head * shape.head_dim;
+        let block = table[index / shape.block_size] as usize;
+        let row = (block * shape.kv_heads + kv_head) * shape.block_size + index % shape.block_size;
+        let at = row * shape.head_dim;
         &cache[at..at + shape.head_dim]
     }
 
@@ -427,7 +440,7 @@ mod tests {
             block_size: 4,
         };
         let slots = 10 * shape.block_size;
-        let width = shape.kv_width();
+        let width = shape.kv_heads * shape.head_dim;
         let mut random = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
         let keys = random(slots * width);
         let values = random(slots * width);

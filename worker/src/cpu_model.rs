@@ -316,7 +316,7 @@ impl CpuModel {
         clock: &mut PhaseClock<'_>,
     ) -> Result<Vec<f32>, WorkerError> {
         let config = &self.config;
-        let (hidden_size, kv_dim) = (config.hidden_size, config.kv_dim());
+        let (hidden_size, kv_dim, head_dim) = (config.hidden_size, config.kv_dim(), config.head_dim);
         let q_dim = config.num_heads * config.head_dim;
         let qkv_width = q_dim + 2 * kv_dim;
         let tokens = step.input_ids.len();
@@ -358,8 +358,12 @@ impl CpuModel {
             for (t, row) in act.qkv.chunks_exact(qkv_width).enumerate() {
                 let (k, v) = row[q_dim..].split_at(kv_dim);
                 let slot = step.slot_mapping[t] as usize;
-                kv.keys[slot * kv_dim..(slot + 1) * kv_dim].copy_from_slice(k);
-                kv.values[slot * kv_dim..(slot + 1) * kv_dim].copy_from_slice(v);
+                let heads = k.chunks_exact(head_dim).zip(v.chunks_exact(head_dim));
+                for (kv_head, (k, v)) in heads.enumerate() {
+                    let at = shape.cache_offset(slot, kv_head);
+                    kv.keys[at..at + head_dim].copy_from_slice(k);
+                    kv.values[at..at + head_dim].copy_from_slice(v);
+                }
             }
             clock.lap(Phase::RotaryAndCacheWrite);
             paged_attention(
