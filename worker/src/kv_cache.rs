@@ -106,8 +106,10 @@ impl KvCache {
 }
 
 /// The KV cache of the CPU kernels ([`crate::cpu_model`]): per layer, K and V as plain f32
-/// `[slots][n_kv_heads · head_dim]`, the same slot numbering as [`KvCache`], each in its own
-/// page-aligned mapping ([`PageBuffer`]: every head's slice of a slot starts on a cache line).
+/// `[blocks][n_kv_heads][block_size][head_dim]` (`rivulet_kernels::attention::AttentionShape::
+/// cache_offset`: each head's rows of a block consecutive), the same slot numbering as
+/// [`KvCache`], each in its own page-aligned mapping ([`PageBuffer`]: every row starts on a
+/// cache line).
 /// Zeroed pages are only touched, so resident memory grows with the slots in use.
 pub struct HostKvCache {
     pub layers: Vec<HostLayerKv>,

@@ -1,12 +1,12 @@
 //! Zeroed f32 buffers in their own page-aligned mappings, for the CPU KV cache
 //! ([`crate::kv_cache::HostKvCache`]).
 //!
-//! Why: attention reads each token's keys and values as one KV head's slice of a slot — 256
-//! bytes of SmolLM2's 768-byte slots. A `Vec<f32>` of the cache's size came from the heap
-//! 16-byte aligned, so every such slice straddled five cache lines instead of four and every
-//! vector load that crossed a line boundary cost two; serving 32 sequences, the key scoring was
-//! ~20% of a step. Starting each region on a page keeps every slot, and every head's slice of
-//! it, on cache-line boundaries: 5–14% more output tokens per second at 32 clients on a Zen 5
+//! Why: attention reads each token's keys and values as one KV head's rows — 256 bytes each for
+//! SmolLM2 (the cache's layout: [`crate::kv_cache::HostKvCache`]). A `Vec<f32>` of the cache's
+//! size came from the heap 16-byte aligned, so every such row straddled five cache lines instead
+//! of four and every vector load that crossed a line boundary cost two; serving 32 sequences,
+//! the key scoring was ~20% of a step. Starting each region on a page keeps every row on
+//! cache-line boundaries: 5–14% more output tokens per second at 32 clients on a Zen 5
 //! EPYC (the same build with the regions shifted 16 bytes off their pages, runs alternating).
 //! (Transparent huge pages on top, `MADV_HUGEPAGE`, measured slower there, so they are not asked
 //! for.)

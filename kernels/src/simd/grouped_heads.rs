@@ -220,7 +220,7 @@ macro_rules! score_keys_instance {
 /// the caches takes ~100 to arrive.
 const PREFETCH_ROWS_AHEAD: usize = 16;
 
-/// Key rows ahead whose key and value rows [`score_keys`] asks into L2 first, so
+/// Rows ahead that [`score_keys`] (and the AVX2 [`weighted_rows`]) ask into L2 first, so
 /// that the L1 fetch above finds them there: rows from memory need more time than 16 rows'
 /// scoring, and 64 rows of keys and values fetched into L1 (32 KiB) would fill it.
 const PREFETCH_L2_ROWS_AHEAD: usize = 64;
@@ -439,17 +439,14 @@ unsafe fn prefetch_row<const HINT: i32>(rows: *const f32, at: usize, dim: usize)
 /// Asks for the key and the value row at `at` (`dim` values each) with the prefetch hint `HINT`.
 ///
 /// # Safety
-/// Both rows lie inside their caches' allocations (a prefetch never faults, but the address
-/// arithmetic must stay in bounds).
+/// Both rows lie inside their caches' allocations (as [`prefetch_row`]).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn prefetch_rows<const HINT: i32>(keys: *const f32, values: *const f32, at: usize, dim: usize) {
-    // SAFETY (whole body): see above.
+    // SAFETY: see above.
     unsafe {
-        for line in (0..dim).step_by(16) {
-            _mm_prefetch::<HINT>(keys.add(at + line).cast());
-            _mm_prefetch::<HINT>(values.add(at + line).cast());
-        }
+        prefetch_row::<HINT>(keys, at, dim);
+        prefetch_row::<HINT>(values, at, dim);
     }
 }
 
