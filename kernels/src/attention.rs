@@ -35,7 +35,7 @@ impl AttentionShape {
     /// The layout is `[blocks][kv_heads][block_size][head_dim]`: within a block, each KV head's
     /// rows are consecutive, so a (token, KV head) pair reads `block_size · head_dim` contiguous
     /// values per block. Why: with every slot's heads side by side (`[slots][kv_heads ·
-    /// head_dim]`), a pair read a quarter of each 768-byte slot of SmolLM2's, and attention over
+    /// head_dim]`), a pair read a third of each 768-byte slot of SmolLM2's, and attention over
     /// a real context took a third of a 32-sequence step on Zen 3, reading at about half the
     /// memory's speed.
     pub fn cache_offset(&self, slot: usize, kv_head: usize) -> usize {
@@ -378,7 +378,7 @@ mod tests {
     use super::*;
 
     /// The key (or value) row of KV head `kv_head` for the sequence's `index`-th token, found
-    /// independently of `attend_group`'s block walk (the cache is `[blocks][kv_heads]
+    /// independently of `KeyRows::offsets_into`'s block walk (the cache is `[blocks][kv_heads]
     /// [block_size][head_dim]`).
     fn kv_row<'c>(shape: AttentionShape, cache: &'c [f32], table: &[i64], index: usize, kv_head: usize) -> &'c [f32] {
         let block = table[index / shape.block_size] as usize;

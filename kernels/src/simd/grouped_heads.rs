@@ -119,28 +119,36 @@ pub fn weighted_rows(weights: &[f32], group: usize, values: &[f32], offsets: &[u
         let (w, v, o) = (weights.as_ptr(), values.as_ptr(), out.as_mut_ptr());
         // SAFETY: AVX2 present; every row read lies in `values` and every weight in `weights`
         // (asserted), and `out` holds `group · dim` values.
-        let done = unsafe {
-            match (group, dim % 32, dim % 16) {
-                (1, 0, _) => weighted_rows_avx2::<1, 4>(w, v, offsets, dim, o),
-                (2, 0, _) => weighted_rows_avx2::<2, 4>(w, v, offsets, dim, o),
-                (3, 0, _) => weighted_rows_avx2::<3, 4>(w, v, offsets, dim, o),
-                (4, _, 0) => weighted_rows_avx2::<4, 2>(w, v, offsets, dim, o),
-                (5, _, 0) => weighted_rows_avx2::<5, 2>(w, v, offsets, dim, o),
-                (6, _, 0) => weighted_rows_avx2::<6, 2>(w, v, offsets, dim, o),
-                _ => false,
-            }
-        };
+        let done = weighted_rows_avx2_takes(group, dim)
+            && unsafe {
+                match group {
+                    1 => weighted_rows_avx2::<1, 4>(w, v, offsets, dim, o),
+                    2 => weighted_rows_avx2::<2, 4>(w, v, offsets, dim, o),
+                    3 => weighted_rows_avx2::<3, 4>(w, v, offsets, dim, o),
+                    4 => weighted_rows_avx2::<4, 2>(w, v, offsets, dim, o),
+                    5 => weighted_rows_avx2::<5, 2>(w, v, offsets, dim, o),
+                    6 => weighted_rows_avx2::<6, 2>(w, v, offsets, dim, o),
+                    _ => false,
+                }
+            };
         if done {
             return;
         }
     }
     out[..group * dim].fill(0.0);
     for (t, &offset) in offsets.iter().enumerate() {
-        // The AVX2 scoring loop leaves the value rows to this sum (see `score_keys_avx2`).
-        if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
-            super::prefetch(&values[ahead..ahead + dim]);
-        }
         group_axpy(&weights[t * group..(t + 1) * group], &values[offset..offset + dim], out);
+    }
+}
+
+/// Whether [`weighted_rows`]' AVX2 loop takes `group` heads of `dim` values (`CV` 4 for groups
+/// of up to 3, 2 up to 6): exactly then `score_keys_avx2` leaves the value rows to it.
+#[cfg(target_arch = "x86_64")]
+fn weighted_rows_avx2_takes(group: usize, dim: usize) -> bool {
+    match group {
+        1..=3 => dim.is_multiple_of(32),
+        4..=6 => dim.is_multiple_of(16),
+        _ => false,
     }
 }
 
@@ -228,8 +236,8 @@ const PREFETCH_L2_ROWS_AHEAD: usize = 64;
 /// `scores[t][g] = scale · q_g · keys[offsets[t]..][..dim]` for every key row `t` and query head
 /// `g` of a group (`queries` is `[group][dim]`, `scores` `[offsets.len()][group]`), each key row
 /// loaded once for the whole group. The value rows at the same offsets are fetched into the
-/// caches on the way, for the weighted sum that follows ([`weighted_rows`]) — except on the
-/// AVX2 path, where [`weighted_rows`] fetches its own (see `score_keys_avx2`).
+/// caches on the way, for the weighted sum that follows ([`weighted_rows`]) — except where the
+/// AVX2 weighted sum fetches its own (see `score_keys_avx2`).
 ///
 /// Why one call for all the keys: scored one call per key ([`group_dots`], still the path for
 /// shapes and CPUs the SIMD loops do not take), each key's sums were one chain of dependent FMAs,
@@ -332,9 +340,10 @@ unsafe fn score_keys_avx512<const G: usize>(
 /// [`score_keys`] on AVX2 for `G` query heads (the dispatch checked that `dim` is a positive
 /// multiple of 8).
 ///
-/// Only the key rows are fetched ahead here; [`weighted_rows`] fetches the value rows as it
-/// sums them. Fetched here too, the scoring loop carried both rows' traffic and the weighted sum
-/// none, so memory idled through the sum: on Zen 3, attention over a real 256-token context at
+/// Only the key rows are fetched ahead here where [`weighted_rows`]' AVX2 loop will sum the
+/// values (`weighted_rows_avx2_takes`): it fetches the value rows as it sums them. Fetched here
+/// too, the scoring loop carried both rows' traffic and the weighted sum none, so memory idled
+/// through the sum: on Zen 3, attention over a real 256-token context at
 /// 32 sequences took 28.8–31.8 ms per step with the fetches split against 32.7–38.4 with both
 /// here (four alternations), and one sequence 1.41–1.67 against 1.52–1.99 ms (five).
 ///
@@ -350,7 +359,7 @@ unsafe fn score_keys_avx512<const G: usize>(
 unsafe fn score_keys_avx2<const G: usize>(
     queries: *const f32,
     keys: *const f32,
-    _values: *const f32,
+    values: *const f32,
     offsets: &[usize],
     dim: usize,
     scale: f32,
@@ -358,8 +367,10 @@ unsafe fn score_keys_avx2<const G: usize>(
 ) {
     // SAFETY (whole body): see `score_keys`; `G <= 8` (the dispatch).
     unsafe {
+        // The value rows too, unless the weighted sum's AVX2 loop fetches them itself.
+        let value_rows = (!weighted_rows_avx2_takes(G, dim)).then_some(values);
         for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
-            prefetch_row::<_MM_HINT_T1>(keys, ahead, dim);
+            prefetch_key_rows::<_MM_HINT_T1>(keys, value_rows, ahead, dim);
         }
         let scale = _mm256_set1_ps(scale);
         // Groups of up to 4 heads score two keys a pass (key `t`'s sums in vectors 0..G, key
@@ -370,10 +381,10 @@ unsafe fn score_keys_avx2<const G: usize>(
             let keys_now = per_pass.min(offsets.len() - t);
             for ahead in t..t + keys_now {
                 if let Some(&ahead) = offsets.get(ahead + PREFETCH_L2_ROWS_AHEAD) {
-                    prefetch_row::<_MM_HINT_T1>(keys, ahead, dim);
+                    prefetch_key_rows::<_MM_HINT_T1>(keys, value_rows, ahead, dim);
                 }
                 if let Some(&ahead) = offsets.get(ahead + PREFETCH_ROWS_AHEAD) {
-                    prefetch_row::<_MM_HINT_T0>(keys, ahead, dim);
+                    prefetch_key_rows::<_MM_HINT_T0>(keys, value_rows, ahead, dim);
                 }
             }
             let mut acc = [_mm256_setzero_ps(); 8];
@@ -432,6 +443,23 @@ unsafe fn prefetch_row<const HINT: i32>(rows: *const f32, at: usize, dim: usize)
     unsafe {
         for line in (0..dim).step_by(16) {
             _mm_prefetch::<HINT>(rows.add(at + line).cast());
+        }
+    }
+}
+
+/// Asks for the key row at `at`, and the value row there where `values` is given (`dim` values
+/// each), with the prefetch hint `HINT`.
+///
+/// # Safety
+/// As [`prefetch_row`], for each row asked for.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_key_rows<const HINT: i32>(keys: *const f32, values: Option<*const f32>, at: usize, dim: usize) {
+    // SAFETY: see above.
+    unsafe {
+        prefetch_row::<HINT>(keys, at, dim);
+        if let Some(values) = values {
+            prefetch_row::<HINT>(values, at, dim);
         }
     }
 }
