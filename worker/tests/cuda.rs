@@ -28,9 +28,13 @@ const MAX_BLOCKS: i64 = 8;
 static GPU: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Holds [`GPU`] for the rest of a test (a test that failed while holding it does not stop the
-/// others).
-fn gpu_to_ourselves() -> std::sync::MutexGuard<'static, ()> {
-    GPU.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+/// others); `None`, saying the test is skipped, on a machine without a CUDA device.
+fn gpu_to_ourselves() -> Option<std::sync::MutexGuard<'static, ()>> {
+    if !tch::Cuda::is_available() {
+        eprintln!("skipped: no CUDA device on this machine");
+        return None;
+    }
+    Some(GPU.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
 }
 
 fn model_file() -> GgufFile {
@@ -194,21 +198,17 @@ fn batched_steps_match_single_sequences_on_cpu() {
 
 #[test]
 fn batched_steps_match_single_sequences_on_cuda() {
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no CUDA device on this machine");
+    let Some(_gpu) = gpu_to_ourselves() else {
         return;
-    }
-    let _gpu = gpu_to_ourselves();
+    };
     batched_steps_match_single_sequences(&Engine::load(&model_file(), Device::Cuda(0)), 2);
 }
 
 #[test]
 fn bf16_on_cuda_agrees_with_f32_on_cpu() {
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no CUDA device on this machine");
+    let Some(_gpu) = gpu_to_ourselves() else {
         return;
-    }
-    let _gpu = gpu_to_ourselves();
+    };
     let file = model_file();
     let cpu = Engine::load(&file, Device::Cpu).prefill_step(&[PROMPT_A]).remove(0);
     let gpu = Engine::load(&file, Device::Cuda(0)).prefill_step(&[PROMPT_A]).remove(0);
@@ -222,11 +222,9 @@ fn bf16_on_cuda_agrees_with_f32_on_cpu() {
 /// bucket of 4), then 130 (a bucket of 192, past the power-of-two sizes), on the same graphs.
 #[test]
 fn decode_graph_replays_match_eager_steps() {
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no CUDA device on this machine");
+    let Some(_gpu) = gpu_to_ourselves() else {
         return;
-    }
-    let _gpu = gpu_to_ourselves();
+    };
     if !rivulet_worker::cuda_graph::supported() {
         eprintln!("skipped: this build has no CUDA graph support");
         return;
@@ -284,11 +282,9 @@ fn replays_match_eager_steps(engine: &Engine, graphs: &mut DecodeGraphs, prompts
 /// decode-only step and one whose decode rows sit between prefill chunks.
 #[test]
 fn paged_decode_kernel_matches_gathered_attention() {
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no CUDA device on this machine");
+    let Some(_gpu) = gpu_to_ourselves() else {
         return;
-    }
-    let _gpu = gpu_to_ourselves();
+    };
     let _guard = tch::no_grad_guard();
     let device = Device::Cuda(0);
     let (heads, kv_heads, dim, width) = (9i64, 3i64, 64i64, 24i64);
@@ -356,11 +352,9 @@ fn paged_decode_kernel_matches_gathered_attention() {
 /// kernel, like the gathered path, reads no further), against the gathered path.
 #[test]
 fn paged_decode_kernel_takes_other_shapes() {
-    if !tch::Cuda::is_available() {
-        eprintln!("skipped: no CUDA device on this machine");
+    let Some(_gpu) = gpu_to_ourselves() else {
         return;
-    }
-    let _gpu = gpu_to_ourselves();
+    };
     let _guard = tch::no_grad_guard();
     let device = Device::Cuda(0);
     tch::manual_seed(12);
