@@ -44,6 +44,35 @@ impl AttentionShape {
     }
 }
 
+/// Writes each step token's key and value heads into its cache slot: row `t` of `qkv`
+/// (`row_width` values) holds `[q | k | v]` with `shape.heads` query heads and `shape.kv_heads`
+/// key and value heads, and its heads go to slot `slots[t]` of a layer's `keys` and `values`
+/// (laid out as [`AttentionShape::cache_offset`] says), so that the cache layout is known in
+/// this module alone. The caller checked every slot lies in the cache.
+pub fn write_kv(
+    shape: AttentionShape,
+    qkv: &[f32],
+    row_width: usize,
+    slots: &[i64],
+    keys: &mut [f32],
+    values: &mut [f32],
+) {
+    let dim = shape.head_dim;
+    let (q_width, kv_width) = (shape.heads * dim, shape.kv_heads * dim);
+    assert!(row_width >= q_width + 2 * kv_width && qkv.len() == slots.len() * row_width);
+    let sources = qkv.chunks_exact(row_width).flat_map(|row| {
+        let (k, v) = row[q_width..q_width + 2 * kv_width].split_at(kv_width);
+        k.chunks_exact(dim).zip(v.chunks_exact(dim))
+    });
+    let destinations = slots
+        .iter()
+        .flat_map(|&slot| (0..shape.kv_heads).map(move |kv_head| shape.cache_offset(slot as usize, kv_head)));
+    for ((k, v), at) in sources.zip(destinations) {
+        keys[at..at + dim].copy_from_slice(k);
+        values[at..at + dim].copy_from_slice(v);
+    }
+}
+
 /// What one token attends to: its sequence's block table and the keys visible to it (its
 /// position + 1). The caller checked that the table covers `visible` keys and that every block
 /// id in it lies inside the cache.
@@ -385,6 +414,40 @@ mod tests {
         let row = (block * shape.kv_heads + kv_head) * shape.block_size + index % shape.block_size;
         let at = row * shape.head_dim;
         &cache[at..at + shape.head_dim]
+    }
+
+    #[test]
+    fn write_kv_puts_each_tokens_heads_in_its_slot() {
+        let shape = AttentionShape {
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 8,
+            block_size: 4,
+        };
+        let (q_width, kv_width) = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim);
+        // Two spare values after each row's `[q | k | v]`, as a wider row would have.
+        let row_width = q_width + 2 * kv_width + 2;
+        let slots = [13i64, 2, 7, 8, 0];
+        let qkv: Vec<f32> = (0..slots.len() * row_width).map(|i| i as f32).collect();
+        let blocks = 4;
+        let mut keys = vec![f32::NAN; blocks * shape.block_size * kv_width];
+        let mut values = keys.clone();
+        write_kv(shape, &qkv, row_width, &slots, &mut keys, &mut values);
+        // Each slot of block `slot / block_size` as the block table `[0, 1, 2, 3]` reads it.
+        let table = [0i64, 1, 2, 3];
+        for (t, &slot) in slots.iter().enumerate() {
+            let row = &qkv[t * row_width..(t + 1) * row_width];
+            for kv_head in 0..shape.kv_heads {
+                let key = &row[q_width + kv_head * shape.head_dim..][..shape.head_dim];
+                let value = &row[q_width + kv_width + kv_head * shape.head_dim..][..shape.head_dim];
+                assert_eq!(kv_row(shape, &keys, &table, slot as usize, kv_head), key);
+                assert_eq!(kv_row(shape, &values, &table, slot as usize, kv_head), value);
+            }
+        }
+        // Nothing else was written.
+        let written = keys.iter().filter(|v| !v.is_nan()).count();
+        assert_eq!(written, slots.len() * kv_width);
+        assert_eq!(values.iter().filter(|v| !v.is_nan()).count(), written);
     }
 
     /// Reference: dense attention in f64 over keys gathered in order.

@@ -9,7 +9,7 @@
 //! (in another order), so greedy tokens and logprobs match transformers as before.
 
 use rivulet_gguf::GgufFile;
-use rivulet_kernels::attention::{paged_attention, AttentionShape, TokenKeys};
+use rivulet_kernels::attention::{paged_attention, write_kv, AttentionShape, TokenKeys};
 use rivulet_kernels::awake::install_awake;
 use rivulet_kernels::ops::{add_rms_norm, rms_norm, rotate_queries_and_keys, silu_mul, RopeTable};
 use rivulet_kernels::{Isa, WeightMatrix};
@@ -316,7 +316,7 @@ impl CpuModel {
         clock: &mut PhaseClock<'_>,
     ) -> Result<Vec<f32>, WorkerError> {
         let config = &self.config;
-        let (hidden_size, kv_dim, head_dim) = (config.hidden_size, config.kv_dim(), config.head_dim);
+        let (hidden_size, kv_dim) = (config.hidden_size, config.kv_dim());
         let q_dim = config.num_heads * config.head_dim;
         let qkv_width = q_dim + 2 * kv_dim;
         let tokens = step.input_ids.len();
@@ -355,16 +355,14 @@ impl CpuModel {
             layer.qkv.apply(&act.normed, tokens, &mut act.qkv)?;
             clock.lap(Phase::Qkv);
             rotate_queries_and_keys(&self.rope, &mut act.qkv, qkv_width, q_dim, kv_dim, step.positions);
-            for (t, row) in act.qkv.chunks_exact(qkv_width).enumerate() {
-                let (k, v) = row[q_dim..].split_at(kv_dim);
-                let slot = step.slot_mapping[t] as usize;
-                let heads = k.chunks_exact(head_dim).zip(v.chunks_exact(head_dim));
-                for (kv_head, (k, v)) in heads.enumerate() {
-                    let at = shape.cache_offset(slot, kv_head);
-                    kv.keys[at..at + head_dim].copy_from_slice(k);
-                    kv.values[at..at + head_dim].copy_from_slice(v);
-                }
-            }
+            write_kv(
+                shape,
+                &act.qkv,
+                qkv_width,
+                step.slot_mapping,
+                &mut kv.keys,
+                &mut kv.values,
+            );
             clock.lap(Phase::RotaryAndCacheWrite);
             paged_attention(
                 shape,
