@@ -347,6 +347,46 @@ unsafe fn exp256(x: __m256) -> __m256 {
     _mm256_mul_ps(y, _mm256_castsi256_ps(pow2))
 }
 
+/// `out[i] = gate[i] / (1 + e^−gate[i]) · up[i]`, SwiGLU's `silu(gate) · up`, in one pass (AVX2
+/// when present): the same operations in the same order as negating into `out`, then
+/// [`exp_in_place`], then the division and product, so the result is bit for bit theirs. As
+/// those three passes a 32-sequence step spent 851–915 µs here on an Intel Xeon, as one
+/// 641–753 (`RIVULET_BENCH_PHASES=1`, four alternations).
+pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    let len = out.len();
+    assert!(gate.len() == len && up.len() == len);
+    let vector_len = len / 8 * 8;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 present; `gate`, `up` and `out` hold `len ≥ vector_len` values.
+        unsafe { silu_mul_avx2(gate.as_ptr(), up.as_ptr(), out.as_mut_ptr(), vector_len) };
+        silu_mul_portable(&gate[vector_len..], &up[vector_len..], &mut out[vector_len..]);
+        return;
+    }
+    silu_mul_portable(gate, up, out);
+}
+
+fn silu_mul_portable(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+        *o = g / (1.0 + (-g).exp()) * u;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_avx2(gate: *const f32, up: *const f32, out: *mut f32, len: usize) {
+    // SAFETY (whole body): each pointer holds `len` values, a multiple of 8 (caller).
+    unsafe {
+        let (one, sign) = (_mm256_set1_ps(1.0), _mm256_set1_ps(-0.0));
+        for i in (0..len).step_by(8) {
+            let g = _mm256_loadu_ps(gate.add(i));
+            let e = exp256(_mm256_xor_ps(g, sign));
+            let silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(out.add(i), _mm256_mul_ps(silu, _mm256_loadu_ps(up.add(i))));
+        }
+    }
+}
+
 /// `y[i] += alpha · x[i]` (AVX2 when present).
 pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     let len = x.len().min(y.len());
