@@ -313,14 +313,14 @@ unsafe fn score_keys_avx512<const G: usize>(
         // then each row `PREFETCH_L2_ROWS_AHEAD` ahead of its use into L2 and
         // `PREFETCH_ROWS_AHEAD` ahead into L1.
         for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
-            prefetch_rows::<_MM_HINT_T1>(keys, values, ahead, dim);
+            prefetch_key_rows::<_MM_HINT_T1>(keys, Some(values), ahead, dim);
         }
         for (t, &at) in offsets.iter().enumerate() {
             if let Some(&ahead) = offsets.get(t + PREFETCH_L2_ROWS_AHEAD) {
-                prefetch_rows::<_MM_HINT_T1>(keys, values, ahead, dim);
+                prefetch_key_rows::<_MM_HINT_T1>(keys, Some(values), ahead, dim);
             }
             if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
-                prefetch_rows::<_MM_HINT_T0>(keys, values, ahead, dim);
+                prefetch_key_rows::<_MM_HINT_T0>(keys, Some(values), ahead, dim);
             }
             let row = keys.add(at);
             let mut acc = [_mm512_setzero_ps(); G];
@@ -461,20 +461,6 @@ unsafe fn prefetch_key_rows<const HINT: i32>(keys: *const f32, values: Option<*c
         if let Some(values) = values {
             prefetch_row::<HINT>(values, at, dim);
         }
-    }
-}
-
-/// Asks for the key and the value row at `at` (`dim` values each) with the prefetch hint `HINT`.
-///
-/// # Safety
-/// Both rows lie inside their caches' allocations (as [`prefetch_row`]).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn prefetch_rows<const HINT: i32>(keys: *const f32, values: *const f32, at: usize, dim: usize) {
-    // SAFETY: see above.
-    unsafe {
-        prefetch_row::<HINT>(keys, at, dim);
-        prefetch_row::<HINT>(values, at, dim);
     }
 }
 
