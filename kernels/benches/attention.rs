@@ -1,0 +1,73 @@
+//! Decode attention alone: `batch` sequences at `context` keys over 30 layers' paged caches
+//! (SmolLM2's 9 query heads, 3 KV heads of 64, blocks of 16), ms per step and GB/s of keys
+//! and values read.
+//!
+//! `cargo bench -p rivulet-kernels --bench attention [-- threads [batch [context [layers]]]]`
+
+use std::time::Instant;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rivulet_kernels::attention::{paged_attention, AttentionShape, TokenKeys};
+
+fn arg(n: usize, default: usize) -> usize {
+    std::env::args().nth(n).and_then(|a| a.parse().ok()).unwrap_or(default)
+}
+
+fn main() {
+    let (threads, batch, context, layers, repeats) = (arg(1, 2), arg(2, 32), arg(3, 256), arg(4, 30), arg(5, 1));
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .expect("one pool");
+    let shape = AttentionShape {
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+        block_size: 16,
+    };
+    let blocks_per_seq = (context + 1).div_ceil(shape.block_size);
+    let layer_len = batch * blocks_per_seq * shape.block_size * shape.kv_heads * shape.head_dim;
+    let mut rng = StdRng::seed_from_u64(5);
+    let caches: Vec<(Vec<f32>, Vec<f32>)> = (0..layers)
+        .map(|_| {
+            let k = (0..layer_len).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let v = (0..layer_len).map(|_| rng.random_range(-1.0..1.0)).collect();
+            (k, v)
+        })
+        .collect();
+    let queries: Vec<f32> = (0..batch * 9 * 64).map(|_| rng.random_range(-1.0..1.0)).collect();
+    // Blocks in a shuffled order, as a serving cache hands them out (ATTENTION_IN_ORDER=1 gives
+    // each sequence consecutive blocks, which the hardware prefetchers follow across pages).
+    let mut tables: Vec<i64> = (0..(batch * blocks_per_seq) as i64).collect();
+    if std::env::var_os("ATTENTION_IN_ORDER").is_none() {
+        for i in (1..tables.len()).rev() {
+            tables.swap(i, rng.random_range(0..=i));
+        }
+    }
+    let tokens: Vec<TokenKeys<'_>> = (0..batch)
+        .map(|s| TokenKeys {
+            block_table: &tables[s * blocks_per_seq..][..blocks_per_seq],
+            visible: context,
+        })
+        .collect();
+    let mut out = vec![0f32; batch * 9 * 64];
+    let bytes = (batch * context * shape.kv_heads * shape.head_dim * 2 * 4 * layers * repeats) as f64;
+    let mut times = Vec::new();
+    for _ in 0..15 {
+        let started = Instant::now();
+        for (k, v) in caches.iter().cycle().take(layers * repeats) {
+            paged_attention(shape, &queries, 9 * 64, &tokens, k, v, &mut out);
+        }
+        times.push(started.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    println!(
+        "threads {threads} batch {batch} context {context} layers {layers}: {:.2} ms/step, {:.1} GB/s ({:.1} MB)",
+        median * 1e3,
+        bytes / median / 1e9,
+        bytes / 1e6
+    );
+    std::hint::black_box(&out);
+}
