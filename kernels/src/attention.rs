@@ -14,7 +14,7 @@
 
 use rayon::prelude::*;
 
-use crate::{exp_in_place, score_key_runs, weighted_rows, KeyRun};
+use crate::{exp_in_place, score_keys, weighted_rows};
 
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
@@ -30,38 +30,24 @@ impl AttentionShape {
         self.heads / self.kv_heads
     }
 
-    /// Where KV head `kv_head`'s part of cache block `block` starts, in a layer's keys and in its
-    /// values alike: `block_size · head_dim` values each.
+    /// Where KV head `kv_head`'s row of cache slot `slot` starts in a layer's keys (or values).
     ///
-    /// The layout is `[blocks][kv_heads][...]`: within a block, each KV head's part is
-    /// contiguous, so a (token, KV head) pair reads whole runs of memory. Why: with every slot's
-    /// heads side by side (`[slots][kv_heads · head_dim]`), a pair read a third of each 768-byte
-    /// slot of SmolLM2's, and attention over a real context took a third of a 32-sequence step
-    /// on Zen 3, reading at about half the memory's speed.
-    ///
-    /// Within its part, the values are `[block_size][head_dim]` (a slot's value row contiguous,
-    /// [`Self::value_offset`]) and the keys transposed, `[head_dim][block_size]`: value `d` of the
-    /// block's keys side by side, so that scores are computed a vector of keys at a time with
-    /// no horizontal sums ([`crate::simd::score_key_runs`] says why).
-    pub fn block_offset(&self, block: usize, kv_head: usize) -> usize {
-        (block * self.kv_heads + kv_head) * self.block_size * self.head_dim
-    }
-
-    /// Where KV head `kv_head`'s value row of cache slot `slot` starts in a layer's values.
-    pub fn value_offset(&self, slot: usize, kv_head: usize) -> usize {
-        self.block_offset(slot / self.block_size, kv_head) + slot % self.block_size * self.head_dim
-    }
-
-    /// Where value `d` of KV head `kv_head`'s key of cache slot `slot` is in a layer's keys.
-    pub fn key_offset(&self, slot: usize, kv_head: usize, d: usize) -> usize {
-        self.block_offset(slot / self.block_size, kv_head) + d * self.block_size + slot % self.block_size
+    /// The layout is `[blocks][kv_heads][block_size][head_dim]`: within a block, each KV head's
+    /// rows are consecutive, so a (token, KV head) pair reads `block_size · head_dim` contiguous
+    /// values per block. Why: with every slot's heads side by side (`[slots][kv_heads ·
+    /// head_dim]`), a pair read a third of each 768-byte slot of SmolLM2's, and attention over
+    /// a real context took a third of a 32-sequence step on Zen 3, reading at about half the
+    /// memory's speed.
+    pub fn cache_offset(&self, slot: usize, kv_head: usize) -> usize {
+        let (block, within) = (slot / self.block_size, slot % self.block_size);
+        ((block * self.kv_heads + kv_head) * self.block_size + within) * self.head_dim
     }
 }
 
 /// Writes each step token's key and value heads into its cache slot: row `t` of `qkv`
 /// (`row_width` values) holds `[q | k | v]` with `shape.heads` query heads and `shape.kv_heads`
 /// key and value heads, and its heads go to slot `slots[t]` of a layer's `keys` and `values`
-/// (laid out as [`AttentionShape::block_offset`] says), so that the cache layout is known in
+/// (laid out as [`AttentionShape::cache_offset`] says), so that the cache layout is known in
 /// this module alone. The caller checked every slot lies in the cache.
 pub fn write_kv(
     shape: AttentionShape,
@@ -74,21 +60,16 @@ pub fn write_kv(
     let dim = shape.head_dim;
     let (q_width, kv_width) = (shape.heads * dim, shape.kv_heads * dim);
     assert!(row_width >= q_width + 2 * kv_width && qkv.len() == slots.len() * row_width);
-    for (row, &slot) in qkv.chunks_exact(row_width).zip(slots) {
+    let sources = qkv.chunks_exact(row_width).flat_map(|row| {
         let (k, v) = row[q_width..q_width + 2 * kv_width].split_at(kv_width);
-        for (kv_head, (k, v)) in k.chunks_exact(dim).zip(v.chunks_exact(dim)).enumerate() {
-            let slot = slot as usize;
-            let at = shape.value_offset(slot, kv_head);
-            values[at..at + dim].copy_from_slice(v);
-            // A key's values go `block_size` apart (the transposed block).
-            let first = shape.key_offset(slot, kv_head, 0);
-            let column = &mut keys[first..=shape.key_offset(slot, kv_head, dim - 1)];
-            column
-                .iter_mut()
-                .step_by(shape.block_size)
-                .zip(k)
-                .for_each(|(to, from)| *to = *from);
-        }
+        k.chunks_exact(dim).zip(v.chunks_exact(dim))
+    });
+    let destinations = slots
+        .iter()
+        .flat_map(|&slot| (0..shape.kv_heads).map(move |kv_head| shape.cache_offset(slot as usize, kv_head)));
+    for ((k, v), at) in sources.zip(destinations) {
+        keys[at..at + dim].copy_from_slice(k);
+        values[at..at + dim].copy_from_slice(v);
     }
 }
 
@@ -118,7 +99,7 @@ const MIN_PART_KEYS: usize = 64;
 
 /// `out[t]` (`heads · head_dim` values) = softmax(q·Kᵀ · scale) · V for each token `t`.
 /// `queries` holds token `t`'s heads at `t · query_stride`; `keys`/`values` are the layer's cache,
-/// laid out as [`AttentionShape::block_offset`] says.
+/// laid out as [`AttentionShape::cache_offset`] says.
 pub fn paged_attention(
     shape: AttentionShape,
     queries: &[f32],
@@ -181,7 +162,7 @@ fn attention_in_parts(
                 let rows = key_rows(shape, tokens, part);
                 let query_group = query_group_of(queries, query_stride, group_width, shape, part.unit);
                 SCRATCH.with_borrow_mut(|scratch| {
-                    let mut stats = std::mem::take(&mut scratch.stats);
+                    let (scores, offsets, stats) = (&mut scratch.0, &mut scratch.1, &mut scratch.2);
                     stats.resize(2 * group, 0.0);
                     let (max, total) = stats.split_at_mut(group);
                     attend_part(
@@ -191,7 +172,8 @@ fn attention_in_parts(
                         rows,
                         keys,
                         values,
-                        scratch,
+                        scores,
+                        offsets,
                         max,
                         total,
                         out_group,
@@ -200,7 +182,6 @@ fn attention_in_parts(
                         let inverse = if total > 0.0 { total.recip() } else { 0.0 };
                         out_head.iter_mut().for_each(|o| *o *= inverse);
                     }
-                    scratch.stats = stats;
                 });
             });
         return;
@@ -218,7 +199,19 @@ fn attention_in_parts(
             let rows = key_rows(shape, tokens, part);
             let query_group = query_group_of(queries, query_stride, group_width, shape, part.unit);
             SCRATCH.with_borrow_mut(|scratch| {
-                attend_part(shape, scale, query_group, rows, keys, values, scratch, max, total, sum)
+                attend_part(
+                    shape,
+                    scale,
+                    query_group,
+                    rows,
+                    keys,
+                    values,
+                    &mut scratch.0,
+                    &mut scratch.1,
+                    max,
+                    total,
+                    sum,
+                )
             });
         });
     // Merge each pair's parts: rescale to the largest maximum, add, divide by the total.
@@ -275,21 +268,11 @@ fn query_group_of(
     &queries[first..first + group_width]
 }
 
-/// Per-thread buffers of [`attend_part`], reused across calls.
-#[derive(Default)]
-struct Scratch {
-    /// `[group][keys]` scores, then softmax numerators.
-    scores: Vec<f32>,
-    /// The part's keys, block by block.
-    runs: Vec<KeyRun>,
-    /// Where each key's value row starts.
-    offsets: Vec<usize>,
-    /// `[2][group]` maxima and sums (of unsplit pairs).
-    stats: Vec<f32>,
-}
-
 thread_local! {
-    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+    /// `[keys][group]` scores, the key/value rows' offsets and `[2][group]` maxima and sums,
+    /// reused across calls.
+    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<usize>, Vec<f32>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// Which key rows a part reads: keys `keys` of what `token` sees, for KV head `kv_head`.
@@ -301,11 +284,10 @@ struct KeyRows<'a> {
 }
 
 impl KeyRows<'_> {
-    /// The part's keys block by block through the table ([`KeyRun`]s), and where each key's
-    /// value row starts: slots of one block are consecutive, so no per-key division.
-    fn runs_into(&self, runs: &mut Vec<KeyRun>, offsets: &mut Vec<usize>) {
+    /// Where each key (and value) row starts, block by block through the table: slots of one
+    /// block are consecutive, so no per-key division.
+    fn offsets_into(&self, offsets: &mut Vec<usize>) {
         let shape = self.shape;
-        runs.clear();
         offsets.clear();
         // The caller checked that the table covers every visible key; were it short, the missing
         // keys would silently drop out of the softmax, so this stays a check in release builds.
@@ -318,13 +300,11 @@ impl KeyRows<'_> {
         while key < self.keys.end {
             let (index, within) = (key / shape.block_size, key % shape.block_size);
             let count = (shape.block_size - within).min(self.keys.end - key);
-            let base = shape.block_offset(self.token.block_table[index] as usize, self.kv_head);
-            runs.push(KeyRun {
-                base,
-                first: within,
-                count,
-            });
-            offsets.extend((within..within + count).map(|row| base + row * shape.head_dim));
+            let first = shape.cache_offset(
+                self.token.block_table[index] as usize * shape.block_size + within,
+                self.kv_head,
+            );
+            offsets.extend((0..count).map(|row| first + row * shape.head_dim));
             key += count;
         }
     }
@@ -340,7 +320,8 @@ fn attend_part(
     rows: KeyRows<'_>,
     keys: &[f32],
     values: &[f32],
-    scratch: &mut Scratch,
+    scores: &mut Vec<f32>,
+    offsets: &mut Vec<usize>,
     max: &mut [f32],
     total: &mut [f32],
     sum: &mut [f32],
@@ -348,54 +329,76 @@ fn attend_part(
     let group = shape.group();
     max.fill(f32::NEG_INFINITY);
     total.fill(0.0);
-    rows.runs_into(&mut scratch.runs, &mut scratch.offsets);
-    let count = scratch.offsets.len();
+    rows.offsets_into(offsets);
+    let count = offsets.len();
     if count == 0 {
         sum.fill(0.0);
         return; // max stays −∞: the merge gives the part no weight
     }
-    // `[group][count]`: each head's scores in a row.
-    let scores = &mut scratch.scores;
+    // `[count][group]`: one key's scores for the whole group side by side.
     scores.clear();
-    scores.resize(group * count, 0.0);
-    let (dim, block_size) = (shape.head_dim, shape.block_size);
-    score_key_runs(query_group, keys, values, &scratch.runs, dim, block_size, scale, scores);
+    scores.resize(count * group, 0.0);
+    score_keys(query_group, keys, values, offsets, shape.head_dim, scale, scores);
     softmax_numerators(scores, group, max, total);
-    weighted_rows(scores, group, values, &scratch.offsets, dim, sum);
+    weighted_rows(scores, group, values, offsets, shape.head_dim, sum);
 }
 
-/// Lanes of [`softmax_numerators`]' running maxima and sums: elementwise over fixed-size chunks,
-/// which the compiler vectorizes (a running maximum of one value at a time does not).
-const LANES: usize = 16;
+/// Keys taken per pass by [`softmax_numerators`]: `group · KEYS_PER_PASS` scores fill whole
+/// vectors whatever the group, and each position of a pass always holds the same head.
+const KEYS_PER_PASS: usize = 8;
 
-/// Turns `scores` (`[group][keys]`) into each head's softmax numerators: finds each head's
+/// The widest pass kept on the stack: groups of up to 8 query heads per KV head.
+const MAX_PASS: usize = 8 * KEYS_PER_PASS;
+
+/// Turns `scores` (`[keys][group]`) into each head's softmax numerators: finds each head's
 /// maximum (into `max`, which starts at −∞), subtracts it, exponentiates, and sums (into `total`,
 /// which starts at 0).
+///
+/// Why passes of `group · 8` scores: a loop over rows of `group` (3 for SmolLM2) does not
+/// vectorize, and at 32 decoding sequences those three loops took ~5% of a step. Over whole
+/// passes every position keeps one head's running maximum or sum, elementwise, which the compiler
+/// vectorizes; the lanes are folded per head at the end (a sum in another order).
 fn softmax_numerators(scores: &mut [f32], group: usize, max: &mut [f32], total: &mut [f32]) {
-    let count = scores.len() / group.max(1);
-    if count == 0 {
-        return;
+    let width = group * KEYS_PER_PASS;
+    let whole = if width <= MAX_PASS {
+        scores.len() / width * width
+    } else {
+        0
+    };
+    let (passes, rest) = scores.split_at_mut(whole);
+    let mut lanes = [f32::NEG_INFINITY; MAX_PASS];
+    for pass in passes.chunks_exact(width) {
+        lanes.iter_mut().zip(pass).for_each(|(l, s)| *l = l.max(*s));
     }
-    for (row, max) in scores.chunks_exact_mut(count).zip(max.iter_mut()) {
-        let mut lanes = [f32::NEG_INFINITY; LANES];
-        let chunks = row.chunks_exact(LANES);
-        let rest = chunks.remainder();
-        for chunk in chunks {
-            lanes.iter_mut().zip(chunk).for_each(|(l, s)| *l = l.max(*s));
-        }
-        *max = lanes.iter().chain(rest).copied().fold(*max, f32::max);
-        let m = *max;
-        row.iter_mut().for_each(|s| *s -= m);
+    for row in lanes[..width.min(whole)]
+        .chunks_exact(group)
+        .chain(rest.chunks_exact(group))
+    {
+        max.iter_mut().zip(row).for_each(|(m, s)| *m = m.max(*s));
+    }
+
+    let mut pattern = [0f32; MAX_PASS];
+    for (i, p) in pattern.iter_mut().take(width.min(whole)).enumerate() {
+        *p = max[i % group];
+    }
+    for pass in passes.chunks_exact_mut(width) {
+        pass.iter_mut().zip(&pattern).for_each(|(s, m)| *s -= m);
+    }
+    for row in rest.chunks_exact_mut(group) {
+        row.iter_mut().zip(max.iter()).for_each(|(s, m)| *s -= m);
     }
     exp_in_place(scores);
-    for (row, total) in scores.chunks_exact(count).zip(total.iter_mut()) {
-        let mut lanes = [0f32; LANES];
-        let chunks = row.chunks_exact(LANES);
-        let rest = chunks.remainder();
-        for chunk in chunks {
-            lanes.iter_mut().zip(chunk).for_each(|(l, s)| *l += s);
-        }
-        *total += lanes.iter().chain(rest).sum::<f32>();
+
+    let (passes, rest) = scores.split_at(whole);
+    let mut lanes = [0f32; MAX_PASS];
+    for pass in passes.chunks_exact(width) {
+        lanes.iter_mut().zip(pass).for_each(|(l, s)| *l += s);
+    }
+    for row in lanes[..width.min(whole)]
+        .chunks_exact(group)
+        .chain(rest.chunks_exact(group))
+    {
+        total.iter_mut().zip(row).for_each(|(t, s)| *t += s);
     }
 }
 
@@ -403,26 +406,14 @@ fn softmax_numerators(scores: &mut [f32], group: usize, max: &mut [f32], total: 
 mod tests {
     use super::*;
 
-    /// KV head `kv_head`'s value row and key for the sequence's `index`-th token, found
-    /// independently of `KeyRows::runs_into`'s block walk (each block is `[kv_heads][...]`, the
-    /// values `[block_size][head_dim]` within, the keys `[head_dim][block_size]`).
-    fn value_row<'c>(
-        shape: AttentionShape,
-        cache: &'c [f32],
-        table: &[i64],
-        index: usize,
-        kv_head: usize,
-    ) -> &'c [f32] {
-        let part = (table[index / shape.block_size] as usize * shape.kv_heads + kv_head) * shape.block_size;
-        let at = (part + index % shape.block_size) * shape.head_dim;
+    /// The key (or value) row of KV head `kv_head` for the sequence's `index`-th token, found
+    /// independently of `KeyRows::offsets_into`'s block walk (the cache is `[blocks][kv_heads]
+    /// [block_size][head_dim]`).
+    fn kv_row<'c>(shape: AttentionShape, cache: &'c [f32], table: &[i64], index: usize, kv_head: usize) -> &'c [f32] {
+        let block = table[index / shape.block_size] as usize;
+        let row = (block * shape.kv_heads + kv_head) * shape.block_size + index % shape.block_size;
+        let at = row * shape.head_dim;
         &cache[at..at + shape.head_dim]
-    }
-
-    fn key_of(shape: AttentionShape, cache: &[f32], table: &[i64], index: usize, kv_head: usize) -> Vec<f32> {
-        let part = (table[index / shape.block_size] as usize * shape.kv_heads + kv_head) * shape.block_size;
-        (0..shape.head_dim)
-            .map(|d| cache[part * shape.head_dim + d * shape.block_size + index % shape.block_size])
-            .collect()
     }
 
     #[test]
@@ -449,8 +440,8 @@ mod tests {
             for kv_head in 0..shape.kv_heads {
                 let key = &row[q_width + kv_head * shape.head_dim..][..shape.head_dim];
                 let value = &row[q_width + kv_width + kv_head * shape.head_dim..][..shape.head_dim];
-                assert_eq!(key_of(shape, &keys, &table, slot as usize, kv_head), key);
-                assert_eq!(value_row(shape, &values, &table, slot as usize, kv_head), value);
+                assert_eq!(kv_row(shape, &keys, &table, slot as usize, kv_head), key);
+                assert_eq!(kv_row(shape, &values, &table, slot as usize, kv_head), value);
             }
         }
         // Nothing else was written.
@@ -485,64 +476,57 @@ mod tests {
             Split { tasks: 64, min_keys: 2 },
             Split { tasks: 24, min_keys: 3 },
         ];
-        // Blocks of 4 keys take the portable scoring, of 8 the AVX2 one (where the CPU has
-        // AVX2), of 16 and 32 the widest the CPU has.
-        for block_size in [4, 8, 16, 32] {
-            for (heads, head_dim) in [
-                (6, 12),
-                (8, 16),
-                (4, 32),
-                (6, 64),
-                (10, 128),
-                (2, 64),
-                (12, 8),
-                (14, 24),
-                (16, 16),
-                (18, 4),
-                (6, 6),
-            ] {
-                for split in splits {
-                    check_against_dense(heads, head_dim, block_size, split);
-                }
+        for (heads, head_dim) in [
+            (6, 12),
+            (8, 16),
+            (4, 32),
+            (6, 64),
+            (10, 128),
+            (2, 64),
+            (12, 8),
+            (14, 24),
+            (16, 16),
+        ] {
+            for split in splits {
+                check_against_dense(heads, head_dim, split);
             }
         }
     }
 
-    fn check_against_dense(heads: usize, head_dim: usize, block_size: usize, split: Split) {
+    fn check_against_dense(heads: usize, head_dim: usize, split: Split) {
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let shape = AttentionShape {
             heads,
             kv_heads: 2,
             head_dim,
-            block_size,
+            block_size: 4,
         };
         let slots = 10 * shape.block_size;
         let width = shape.kv_heads * shape.head_dim;
         let mut random = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
         let keys = random(slots * width);
         let values = random(slots * width);
-        // Two sequences in shuffled blocks: one decodes halfway into its third block, one is a
-        // 3-token chunk whose tokens see one key past a block, two and three (for blocks of 4:
-        // position 9, and positions 4..7).
+        // Two sequences in shuffled blocks: one decodes at position 9, one is a 3-token chunk
+        // at positions 4..7 (its tokens see 5, 6 and 7 keys).
         let table_a = [7i64, 2, 9];
         let table_b = [3i64, 0];
         let tokens = [
             TokenKeys {
                 block_table: &table_a,
-                visible: 2 * block_size + block_size / 2,
+                visible: 10,
             },
             TokenKeys {
                 block_table: &table_b,
-                visible: block_size + 1,
+                visible: 5,
             },
             TokenKeys {
                 block_table: &table_b,
-                visible: block_size + 2,
+                visible: 6,
             },
             TokenKeys {
                 block_table: &table_b,
-                visible: block_size + 3,
+                visible: 7,
             },
         ];
         let q_width = shape.heads * shape.head_dim;
@@ -551,12 +535,9 @@ mod tests {
         let mut out = vec![0f32; tokens.len() * q_width];
         attention_in_parts(shape, split, &queries, stride, &tokens, &keys, &values, &mut out);
 
-        let gather_keys = |table: &[i64], n: usize, kv_head: usize| -> Vec<Vec<f32>> {
-            (0..n).map(|i| key_of(shape, &keys, table, i, kv_head)).collect()
-        };
-        let gather_values = |table: &[i64], n: usize, kv_head: usize| -> Vec<Vec<f32>> {
+        let gather = |cache: &[f32], table: &[i64], n: usize, kv_head: usize| -> Vec<Vec<f32>> {
             (0..n)
-                .map(|i| value_row(shape, &values, table, i, kv_head).to_vec())
+                .map(|i| kv_row(shape, cache, table, i, kv_head).to_vec())
                 .collect()
         };
         for (t, token) in tokens.iter().enumerate() {
@@ -565,23 +546,23 @@ mod tests {
                 let q = &queries[t * stride + head * shape.head_dim..][..shape.head_dim];
                 let expected = reference(
                     q,
-                    &gather_keys(token.block_table, token.visible, kv_head),
-                    &gather_values(token.block_table, token.visible, kv_head),
+                    &gather(&keys, token.block_table, token.visible, kv_head),
+                    &gather(&values, token.block_table, token.visible, kv_head),
                     shape.head_dim,
                 );
                 let got = &out[t * q_width + head * shape.head_dim..][..shape.head_dim];
                 for (g, e) in got.iter().zip(&expected) {
                     assert!(
                         (*g as f64 - e).abs() < 1e-5,
-                        "blocks of {block_size}, {split:?}, token {t} head {head}: {g} vs {e}"
+                        "{split:?} token {t} head {head}: {g} vs {e}"
                     );
                 }
             }
         }
     }
 
-    /// Each head's maximum, numerators and sum, for key counts that leave a partial chunk of
-    /// lanes or no whole one.
+    /// Each head's maximum, numerators and sum, for groups whose passes fit the stack (1, 3, 8)
+    /// and one that does not (9), over key counts that leave a partial pass or no whole one.
     #[test]
     fn softmax_numerators_match_per_head_loops() {
         use rand::{Rng, SeedableRng};
@@ -593,14 +574,14 @@ mod tests {
                 let (mut max, mut total) = (vec![f32::NEG_INFINITY; group], vec![0f32; group]);
                 softmax_numerators(&mut got, group, &mut max, &mut total);
                 for head in 0..group {
-                    let row = || scores[head * keys..(head + 1) * keys].iter().map(|&s| f64::from(s));
-                    let expected_max = row().fold(f64::NEG_INFINITY, f64::max);
+                    let column = || scores.iter().skip(head).step_by(group).map(|&s| f64::from(s));
+                    let expected_max = column().fold(f64::NEG_INFINITY, f64::max);
                     assert_eq!(f64::from(max[head]), expected_max, "group {group}, {keys} keys");
-                    let expected_total: f64 = row().map(|s| (s - expected_max).exp()).sum();
+                    let expected_total: f64 = column().map(|s| (s - expected_max).exp()).sum();
                     let relative = (f64::from(total[head]) - expected_total).abs() / expected_total;
                     assert!(relative < 1e-5, "group {group}, {keys} keys, head {head}: {relative}");
-                    for (key, s) in row().enumerate() {
-                        let numerator = f64::from(got[head * keys + key]);
+                    for (key, s) in column().enumerate() {
+                        let numerator = f64::from(got[key * group + head]);
                         assert!((numerator - (s - expected_max).exp()).abs() < 1e-6);
                     }
                 }

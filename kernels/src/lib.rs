@@ -55,4 +55,4 @@ pub enum KernelError {
 }
 
 /// Vector helpers shared by the kernels' modules.
-pub(crate) use simd::{dot, exp_in_place, score_key_runs, weighted_rows, KeyRun};
+pub(crate) use simd::{dot, exp_in_place, score_keys, weighted_rows};

@@ -1,8 +1,8 @@
 //! The crate's only `unsafe` (here and in its children [`row_gemv`], [`packed_gemm`],
 //! [`gemv_q4_1`], [`panels`], [`panel_gemv`], [`panel_gemv_avx2`], [`panel_digits_avx2`],
-//! [`amx`], [`grouped_heads`] and [`key_scores`]): AVX2 + FMA + F16C code paths, an AVX-512F
-//! one, an AMX one (with its own invariants, stated there), and the output handle that lets
-//! parallel tasks write disjoint columns of one matrix.
+//! [`amx`] and [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F one, an AMX one
+//! (with its own invariants, stated there), and the output handle that lets parallel tasks write
+//! disjoint columns of one matrix.
 //!
 //! Invariants, checked where each function is entered from safe code:
 //! - Every `#[target_feature]` function is called only after [`has_avx2`] (for `avx512f`
@@ -28,7 +28,6 @@ use rivulet_gguf::GgmlType;
 mod amx;
 mod gemv_q4_1;
 mod grouped_heads;
-mod key_scores;
 mod packed_gemm;
 mod panel_digits_avx2;
 mod panel_gemv;
@@ -38,8 +37,7 @@ mod peak;
 mod row_gemv;
 pub use amx::{has_amx, SplitActivations, Tiles};
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
-pub use grouped_heads::weighted_rows;
-pub use key_scores::{score_key_runs, KeyRun};
+pub use grouped_heads::{score_keys, weighted_rows};
 pub use packed_gemm::{gemm_panel_avx2, pack_panel_avx2};
 pub use panel_digits_avx2::ActivationDigits;
 pub use panel_gemv::{block_sums, PANEL_GEMV_ROWS};
@@ -242,6 +240,12 @@ unsafe fn hsum(v: __m256) -> f32 {
 pub fn prefetch<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
     prefetch_lines::<_MM_HINT_T0, T>(data);
+}
+
+/// Asks for every cache line of `data` to be brought into L2 (and not L1), as [`prefetch`].
+pub fn prefetch_l2<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    prefetch_lines::<_MM_HINT_T1, T>(data);
 }
 
 #[cfg(target_arch = "x86_64")]

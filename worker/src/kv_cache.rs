@@ -106,9 +106,8 @@ impl KvCache {
 }
 
 /// The KV cache of the CPU kernels ([`crate::cpu_model`]): per layer, K and V as plain f32
-/// `[blocks][n_kv_heads][...]` (`rivulet_kernels::attention::AttentionShape::block_offset`: each
-/// head's part of a block consecutive, values `[block_size][head_dim]` and keys transposed,
-/// `[head_dim][block_size]`), the same slot numbering as
+/// `[blocks][n_kv_heads][block_size][head_dim]` (`rivulet_kernels::attention::AttentionShape::
+/// cache_offset`: each head's rows of a block consecutive), the same slot numbering as
 /// [`KvCache`], each in its own page-aligned mapping ([`PageBuffer`]: every row starts on a
 /// cache line).
 /// Zeroed pages are only touched, so resident memory grows with the slots in use.

@@ -1,15 +1,87 @@
-//! Attention's weighted sum of value rows for the query heads that share one KV head
-//! (grouped-query attention): each value row is loaded once for the whole group. Part of
-//! [`super`]'s `unsafe`, under its invariants. (The scores come from [`super::key_scores`].)
+//! Attention's inner loops over the query heads that share one KV head (grouped-query
+//! attention): each key or value row is loaded once for the whole group. Part of [`super`]'s
+//! `unsafe`, under its invariants.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::{axpy, fits, has_avx2, has_avx512};
+#[cfg(target_arch = "x86_64")]
+use super::hsum;
+use super::{axpy, dot, fits, has_avx2, has_avx512};
 
-/// `out_g = Σ_t weights[g][t] · values[offsets[t]..][..dim]` for each query head `g` of a group
-/// (`weights` is `[group][offsets.len()]`, as [`super::score_key_runs`] writes scores; `out` is
-/// `[group][dim]`, overwritten). The AVX2 path
+/// Query heads one KV head serves at most on the AVX2 path of [`group_dots`] / [`group_axpy`].
+const MAX_GROUP: usize = 8;
+
+/// `out[g] = scale · q_g · key` for each query head `g` of a group (`queries` is `[group][dim]`,
+/// `dim = key.len()`): the key is loaded once for the whole group.
+fn group_dots(queries: &[f32], key: &[f32], scale: f32, out: &mut [f32]) {
+    let dim = key.len();
+    let group = out.len();
+    assert!(fits(queries.len(), group.checked_mul(dim)));
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && group <= MAX_GROUP && dim.is_multiple_of(8) {
+        // SAFETY: AVX2 present; `queries` holds `group · dim` values, `key` `dim`, `out` `group`.
+        unsafe { group_dots_avx2(queries.as_ptr(), key.as_ptr(), dim, scale, out) };
+        return;
+    }
+    for (g, o) in out.iter_mut().enumerate() {
+        *o = scale * dot(&queries[g * dim..(g + 1) * dim], key);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_dots_avx2(queries: *const f32, key: *const f32, dim: usize, scale: f32, out: &mut [f32]) {
+    // SAFETY (whole body): see `group_dots`; `out.len() <= MAX_GROUP`, `dim % 8 == 0`.
+    unsafe {
+        let group = out.len();
+        let mut acc = [_mm256_setzero_ps(); MAX_GROUP];
+        for c in (0..dim).step_by(8) {
+            let k = _mm256_loadu_ps(key.add(c));
+            for (g, a) in acc.iter_mut().enumerate().take(group) {
+                *a = _mm256_fmadd_ps(_mm256_loadu_ps(queries.add(g * dim + c)), k, *a);
+            }
+        }
+        for (g, o) in out.iter_mut().enumerate() {
+            *o = scale * hsum(acc[g]);
+        }
+    }
+}
+
+/// `out_g += weights[g] · value` for each query head `g` of a group (`out` is `[group][dim]`,
+/// `dim = value.len()`): the value row is loaded once for the whole group.
+pub fn group_axpy(weights: &[f32], value: &[f32], out: &mut [f32]) {
+    let dim = value.len();
+    let group = weights.len();
+    assert!(fits(out.len(), group.checked_mul(dim)));
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() && dim.is_multiple_of(8) {
+        // SAFETY: AVX2 present; `value` holds `dim` values and `out` `group · dim`.
+        unsafe { group_axpy_avx2(weights, value.as_ptr(), dim, out.as_mut_ptr()) };
+        return;
+    }
+    for (g, w) in weights.iter().enumerate() {
+        axpy(*w, value, &mut out[g * dim..(g + 1) * dim]);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn group_axpy_avx2(weights: &[f32], value: *const f32, dim: usize, out: *mut f32) {
+    // SAFETY (whole body): see `group_axpy`; `dim % 8 == 0`.
+    unsafe {
+        for c in (0..dim).step_by(8) {
+            let v = _mm256_loadu_ps(value.add(c));
+            for (g, w) in weights.iter().enumerate() {
+                let dst = out.add(g * dim + c);
+                _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_set1_ps(*w), v, _mm256_loadu_ps(dst)));
+            }
+        }
+    }
+}
+
+/// `out_g = Σ_t weights[t][g] · values[offsets[t]..][..dim]` for each query head `g` of a group
+/// (`weights` is `[offsets.len()][group]`, `out` is `[group][dim]`, overwritten). The AVX2 path
 /// keeps a slice of every head's output in registers across all rows (up to 12 accumulators),
 /// so each value row is loaded once per slice and no partial output goes through memory.
 pub fn weighted_rows(weights: &[f32], group: usize, values: &[f32], offsets: &[usize], dim: usize, out: &mut [f32]) {
@@ -63,20 +135,16 @@ pub fn weighted_rows(weights: &[f32], group: usize, values: &[f32], offsets: &[u
             return;
         }
     }
-    let count = offsets.len();
-    for (g, out_head) in out[..group * dim].chunks_exact_mut(dim).enumerate() {
-        out_head.fill(0.0);
-        for (&w, &offset) in weights[g * count..(g + 1) * count].iter().zip(offsets) {
-            axpy(w, &values[offset..offset + dim], out_head);
-        }
+    out[..group * dim].fill(0.0);
+    for (t, &offset) in offsets.iter().enumerate() {
+        group_axpy(&weights[t * group..(t + 1) * group], &values[offset..offset + dim], out);
     }
 }
 
 /// Whether [`weighted_rows`]' AVX2 loop takes `group` heads of `dim` values (`CV` 4 for groups
-/// of up to 3, 2 up to 6): exactly then the AVX2 scoring ([`super::score_key_runs`]) leaves the
-/// value rows to it.
+/// of up to 3, 2 up to 6): exactly then `score_keys_avx2` leaves the value rows to it.
 #[cfg(target_arch = "x86_64")]
-pub(super) fn weighted_rows_avx2_takes(group: usize, dim: usize) -> bool {
+fn weighted_rows_avx2_takes(group: usize, dim: usize) -> bool {
     match group {
         1..=3 => dim.is_multiple_of(32),
         4..=6 => dim.is_multiple_of(16),
@@ -97,10 +165,8 @@ unsafe fn weighted_rows_avx2<const G: usize, const CV: usize>(
 ) -> bool {
     // SAFETY (whole body): see `weighted_rows`.
     unsafe {
-        // The value rows come from memory here: the first slice's pass fetches each row ahead,
-        // later slices find them cached. (On Zen 3, with value rows a row at a time, fetching
-        // them here rather than while scoring keys took attention over a 256-token context at
-        // 32 sequences from 32.7–38.4 to 28.8–31.8 ms per step.)
+        // The value rows come from memory here (see `score_keys_avx2`): the first slice's pass
+        // fetches each row ahead as the scoring loop fetches keys; later slices find them cached.
         for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
             prefetch_row::<_MM_HINT_T1>(values, ahead, dim);
         }
@@ -118,7 +184,7 @@ unsafe fn weighted_rows_avx2<const G: usize, const CV: usize>(
                 let row = values.add(offset + slice);
                 let v: [__m256; CV] = std::array::from_fn(|c| _mm256_loadu_ps(row.add(8 * c)));
                 for (g, head) in acc.iter_mut().enumerate() {
-                    let w = _mm256_broadcast_ss(&*weights.add(g * offsets.len() + t));
+                    let w = _mm256_broadcast_ss(&*weights.add(t * G + g));
                     for (a, vc) in head.iter_mut().zip(&v) {
                         *a = _mm256_fmadd_ps(w, *vc, *a);
                     }
@@ -134,13 +200,236 @@ unsafe fn weighted_rows_avx2<const G: usize, const CV: usize>(
     }
 }
 
-/// Rows ahead of the one being summed whose rows the AVX2 [`weighted_rows`] fetches into L1: a
-/// row is summed in a few nanoseconds, and a row missing from the caches takes ~100 to arrive.
+/// A SIMD loop of [`score_keys`] for one group size: queries, keys, values, offsets, `dim`,
+/// scale, scores.
+#[cfg(target_arch = "x86_64")]
+type ScoreKeysKernel = unsafe fn(*const f32, *const f32, *const f32, &[usize], usize, f32, *mut f32);
+
+/// `$kernel`'s instance for `$group` query heads, for groups of 1 to 8 (`None` beyond).
+#[cfg(target_arch = "x86_64")]
+macro_rules! score_keys_instance {
+    ($kernel:ident, $group:expr) => {
+        match $group {
+            1 => Some($kernel::<1> as ScoreKeysKernel),
+            2 => Some($kernel::<2> as ScoreKeysKernel),
+            3 => Some($kernel::<3> as ScoreKeysKernel),
+            4 => Some($kernel::<4> as ScoreKeysKernel),
+            5 => Some($kernel::<5> as ScoreKeysKernel),
+            6 => Some($kernel::<6> as ScoreKeysKernel),
+            7 => Some($kernel::<7> as ScoreKeysKernel),
+            8 => Some($kernel::<8> as ScoreKeysKernel),
+            _ => None,
+        }
+    };
+}
+
+/// Rows ahead of the one being scored (or summed) whose rows [`score_keys`] (and
+/// [`weighted_rows`]) fetch into L1: a row is scored in a few nanoseconds, and a row missing from
+/// the caches takes ~100 to arrive.
 const PREFETCH_ROWS_AHEAD: usize = 16;
 
-/// Rows ahead that the AVX2 [`weighted_rows`] asks into L2 first, so that the L1 fetch above
-/// finds them there.
+/// Rows ahead that [`score_keys`] (and the AVX2 [`weighted_rows`]) ask into L2 first, so
+/// that the L1 fetch above finds them there: rows from memory need more time than 16 rows'
+/// scoring, and 64 rows of keys and values fetched into L1 (32 KiB) would fill it.
 const PREFETCH_L2_ROWS_AHEAD: usize = 64;
+
+/// `scores[t][g] = scale · q_g · keys[offsets[t]..][..dim]` for every key row `t` and query head
+/// `g` of a group (`queries` is `[group][dim]`, `scores` `[offsets.len()][group]`), each key row
+/// loaded once for the whole group. The value rows at the same offsets are fetched into the
+/// caches on the way, for the weighted sum that follows ([`weighted_rows`]) — except where the
+/// AVX2 weighted sum fetches its own (see `score_keys_avx2`).
+///
+/// Why one call for all the keys: scored one call per key ([`group_dots`], still the path for
+/// shapes and CPUs the SIMD loops do not take), each key's sums were one chain of dependent FMAs,
+/// and a 32-sequence decode step spent ~11% of its time there; in one loop (AVX-512, or AVX2)
+/// the keys' short chains overlap. With the AVX-512 weighted sum, on a Zen 5 EPYC
+/// (`rivulet-worker-bench`, runs alternating): a decode step of 32 sequences at context 256
+/// 35.3 → 31.9 ms, 64 at 512 85 → 73 ms, a 512-token prefill 445 → 391.
+pub fn score_keys(
+    queries: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    offsets: &[usize],
+    dim: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    let group = scores.len().checked_div(offsets.len()).unwrap_or(0);
+    assert!(fits(scores.len(), offsets.len().checked_mul(group)) && fits(queries.len(), group.checked_mul(dim)));
+    assert!(offsets
+        .iter()
+        .all(|&o| fits(keys.len(), o.checked_add(dim)) && fits(values.len(), o.checked_add(dim))));
+    #[cfg(target_arch = "x86_64")]
+    {
+        let kernel = if has_avx512() && dim.is_multiple_of(16) && dim > 0 {
+            score_keys_instance!(score_keys_avx512, group)
+        } else if has_avx2() && dim.is_multiple_of(8) && dim > 0 {
+            score_keys_instance!(score_keys_avx2, group)
+        } else {
+            None
+        };
+        if let Some(kernel) = kernel {
+            let (q, k, v) = (queries.as_ptr(), keys.as_ptr(), values.as_ptr());
+            // SAFETY: the CPU has the kernel's features and `dim` its multiple (checked just
+            // above); every key and value row read lies in `keys`/`values`, the queries hold
+            // `group · dim` values and `scores` `offsets.len() · group` (asserted).
+            unsafe { kernel(q, k, v, offsets, dim, scale, scores.as_mut_ptr()) };
+            return;
+        }
+    }
+    for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
+        super::prefetch_l2(&keys[ahead..ahead + dim]);
+        super::prefetch_l2(&values[ahead..ahead + dim]);
+    }
+    for (index, (row, &at)) in scores.chunks_exact_mut(group.max(1)).zip(offsets).enumerate() {
+        if let Some(&ahead) = offsets.get(index + PREFETCH_L2_ROWS_AHEAD) {
+            super::prefetch_l2(&keys[ahead..ahead + dim]);
+            super::prefetch_l2(&values[ahead..ahead + dim]);
+        }
+        if let Some(&ahead) = offsets.get(index + PREFETCH_ROWS_AHEAD) {
+            super::prefetch(&keys[ahead..ahead + dim]);
+            super::prefetch(&values[ahead..ahead + dim]);
+        }
+        group_dots(queries, &keys[at..at + dim], scale, row);
+    }
+}
+
+/// [`score_keys`] for `G` query heads (the dispatch checked that `dim` is a positive multiple
+/// of 16).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn score_keys_avx512<const G: usize>(
+    queries: *const f32,
+    keys: *const f32,
+    values: *const f32,
+    offsets: &[usize],
+    dim: usize,
+    scale: f32,
+    scores: *mut f32,
+) {
+    // SAFETY (whole body): see `score_keys`.
+    unsafe {
+        // The first rows are asked into L2 all at once (from memory they arrive in parallel),
+        // then each row `PREFETCH_L2_ROWS_AHEAD` ahead of its use into L2 and
+        // `PREFETCH_ROWS_AHEAD` ahead into L1.
+        for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
+            prefetch_key_rows::<_MM_HINT_T1>(keys, Some(values), ahead, dim);
+        }
+        for (t, &at) in offsets.iter().enumerate() {
+            if let Some(&ahead) = offsets.get(t + PREFETCH_L2_ROWS_AHEAD) {
+                prefetch_key_rows::<_MM_HINT_T1>(keys, Some(values), ahead, dim);
+            }
+            if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
+                prefetch_key_rows::<_MM_HINT_T0>(keys, Some(values), ahead, dim);
+            }
+            let row = keys.add(at);
+            let mut acc = [_mm512_setzero_ps(); G];
+            for c in (0..dim).step_by(16) {
+                let k = _mm512_loadu_ps(row.add(c));
+                for (g, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(_mm512_loadu_ps(queries.add(g * dim + c)), k, *a);
+                }
+            }
+            for (g, a) in acc.iter().enumerate() {
+                *scores.add(t * G + g) = scale * _mm512_reduce_add_ps(*a);
+            }
+        }
+    }
+}
+
+/// [`score_keys`] on AVX2 for `G` query heads (the dispatch checked that `dim` is a positive
+/// multiple of 8).
+///
+/// Only the key rows are fetched ahead here where [`weighted_rows`]' AVX2 loop will sum the
+/// values (`weighted_rows_avx2_takes`): it fetches the value rows as it sums them. Fetched here
+/// too, the scoring loop carried both rows' traffic and the weighted sum none, so memory idled
+/// through the sum: on Zen 3, attention over a real 256-token context at
+/// 32 sequences took 28.8–31.8 ms per step with the fetches split against 32.7–38.4 with both
+/// here (four alternations), and one sequence 1.41–1.67 against 1.52–1.99 ms (five).
+///
+/// As the AVX-512 loop: one loop over every key, so that the keys' short FMA chains overlap.
+/// Called once per key ([`group_dots`]), a 32-sequence decode step at context 256 on a Zen 3
+/// EPYC spent ~12% of its time scoring keys (8% after the loop with one key a pass). The
+/// group's `G` sums of a key (of two keys, for groups of up to 4) are reduced together: a tree
+/// of horizontal adds over all of them, not `G` separate ones. `rivulet-worker-bench`, 32
+/// sequences at context 512, three alternating runs: 125.8 ms per step before, 102.8 with one
+/// key a pass, 93.4 with two.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn score_keys_avx2<const G: usize>(
+    queries: *const f32,
+    keys: *const f32,
+    values: *const f32,
+    offsets: &[usize],
+    dim: usize,
+    scale: f32,
+    scores: *mut f32,
+) {
+    // SAFETY (whole body): see `score_keys`; `G <= 8` (the dispatch).
+    unsafe {
+        // The value rows too, unless the weighted sum's AVX2 loop fetches them itself.
+        let value_rows = (!weighted_rows_avx2_takes(G, dim)).then_some(values);
+        for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
+            prefetch_key_rows::<_MM_HINT_T1>(keys, value_rows, ahead, dim);
+        }
+        let scale = _mm256_set1_ps(scale);
+        // Groups of up to 4 heads score two keys a pass (key `t`'s sums in vectors 0..G, key
+        // `t + 1`'s in 4..4 + G): twice the independent FMA chains, and one reduction for both.
+        let per_pass = if G <= 4 { 2 } else { 1 };
+        let mut t = 0;
+        while t < offsets.len() {
+            let keys_now = per_pass.min(offsets.len() - t);
+            for ahead in t..t + keys_now {
+                if let Some(&ahead) = offsets.get(ahead + PREFETCH_L2_ROWS_AHEAD) {
+                    prefetch_key_rows::<_MM_HINT_T1>(keys, value_rows, ahead, dim);
+                }
+                if let Some(&ahead) = offsets.get(ahead + PREFETCH_ROWS_AHEAD) {
+                    prefetch_key_rows::<_MM_HINT_T0>(keys, value_rows, ahead, dim);
+                }
+            }
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for (key, acc) in acc.chunks_exact_mut(4.max(G)).take(keys_now).enumerate() {
+                let row = keys.add(offsets[t + key]);
+                for c in (0..dim).step_by(8) {
+                    let k = _mm256_loadu_ps(row.add(c));
+                    for (g, a) in acc.iter_mut().enumerate().take(G) {
+                        *a = _mm256_fmadd_ps(_mm256_loadu_ps(queries.add(g * dim + c)), k, *a);
+                    }
+                }
+            }
+            // The last pass's last sum sits in vector `(keys_now - 1) · 4 + G - 1`.
+            let sums = _mm256_mul_ps(scale, sums_of_eight(&acc, (keys_now - 1) * 4 + G));
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), sums);
+            for key in 0..keys_now {
+                let from = lanes.as_ptr().add(key * 4.max(G));
+                std::ptr::copy_nonoverlapping(from, scores.add((t + key) * G), G);
+            }
+            t += keys_now;
+        }
+    }
+}
+
+/// Lane `g` of the result: the sum of `vectors[g]`'s eight lanes, for `g < used` (the other
+/// lanes hold anything). Horizontal adds pair the vectors up, so eight sums cost seven shuffling
+/// adds rather than eight separate reductions; up to four take three.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn sums_of_eight(vectors: &[__m256; 8], used: usize) -> __m256 {
+    let v = vectors;
+    // Each 128-bit lane of a `hadd` holds pair sums of its two inputs' same lanes.
+    let low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    if used <= 4 {
+        // Lane g (g < 4) of each half: vector g's sum over that half's four values.
+        let half = _mm_add_ps(_mm256_castps256_ps128(low), _mm256_extractf128_ps::<1>(low));
+        return _mm256_castps128_ps256(half);
+    }
+    let high = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    let first_halves = _mm256_permute2f128_ps::<0x20>(low, high);
+    let second_halves = _mm256_permute2f128_ps::<0x31>(low, high);
+    _mm256_add_ps(first_halves, second_halves)
+}
 
 /// Asks for the row at `at` of `rows` (`dim` values) with the prefetch hint `HINT`.
 ///
@@ -154,6 +443,23 @@ unsafe fn prefetch_row<const HINT: i32>(rows: *const f32, at: usize, dim: usize)
     unsafe {
         for line in (0..dim).step_by(16) {
             _mm_prefetch::<HINT>(rows.add(at + line).cast());
+        }
+    }
+}
+
+/// Asks for the key row at `at`, and the value row there where `values` is given (`dim` values
+/// each), with the prefetch hint `HINT`.
+///
+/// # Safety
+/// As [`prefetch_row`], for each row asked for.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_key_rows<const HINT: i32>(keys: *const f32, values: Option<*const f32>, at: usize, dim: usize) {
+    // SAFETY: see above.
+    unsafe {
+        prefetch_row::<HINT>(keys, at, dim);
+        if let Some(values) = values {
+            prefetch_row::<HINT>(values, at, dim);
         }
     }
 }
@@ -177,7 +483,7 @@ unsafe fn weighted_rows_avx512<const G: usize, const CV: usize>(
                 let row = values.add(offset + slice);
                 let v: [__m512; CV] = std::array::from_fn(|c| _mm512_loadu_ps(row.add(16 * c)));
                 for (g, head) in acc.iter_mut().enumerate() {
-                    let w = _mm512_set1_ps(*weights.add(g * offsets.len() + t));
+                    let w = _mm512_set1_ps(*weights.add(t * G + g));
                     for (a, vc) in head.iter_mut().zip(&v) {
                         *a = _mm512_fmadd_ps(w, *vc, *a);
                     }
