@@ -5,6 +5,8 @@
 //! `cargo bench -p rivulet-kernels --bench attention [-- threads [batch [context [layers
 //! [repeats]]]]]` (defaults 2 32 256 30 1). With 30 layers a 32-sequence step's 377 MB come from
 //! memory; `-- 1 4 256 1 100` keeps one 1.6 MB layer in L2, which times the arithmetic alone.
+//! Block tables are shuffled, as a serving cache hands blocks out; `ATTENTION_IN_ORDER=1` gives
+//! each sequence consecutive blocks instead.
 
 use std::time::Instant;
 
@@ -38,7 +40,8 @@ fn main() {
             (k, v)
         })
         .collect();
-    let queries: Vec<f32> = (0..batch * 9 * 64).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let q_width = shape.heads * shape.head_dim;
+    let queries: Vec<f32> = (0..batch * q_width).map(|_| rng.random_range(-1.0..1.0)).collect();
     // Blocks in a shuffled order, as a serving cache hands them out (ATTENTION_IN_ORDER=1 gives
     // each sequence consecutive blocks, which the hardware prefetchers follow across pages).
     let mut tables: Vec<i64> = (0..(batch * blocks_per_seq) as i64).collect();
@@ -53,13 +56,13 @@ fn main() {
             visible: context,
         })
         .collect();
-    let mut out = vec![0f32; batch * 9 * 64];
+    let mut out = vec![0f32; batch * q_width];
     let bytes = (batch * context * shape.kv_heads * shape.head_dim * 2 * 4 * layers * repeats) as f64;
     let mut times = Vec::new();
     for _ in 0..15 {
         let started = Instant::now();
         for (k, v) in caches.iter().cycle().take(layers * repeats) {
-            paged_attention(shape, &queries, 9 * 64, &tokens, k, v, &mut out);
+            paged_attention(shape, &queries, q_width, &tokens, k, v, &mut out);
         }
         times.push(started.elapsed().as_secs_f64());
     }
