@@ -245,6 +245,13 @@ const PREFETCH_L2_ROWS_AHEAD: usize = 64;
 /// the keys' short chains overlap. With the AVX-512 weighted sum, on a Zen 5 EPYC
 /// (`rivulet-worker-bench`, runs alternating): a decode step of 32 sequences at context 256
 /// 35.3 → 31.9 ms, 64 at 512 85 → 73 ms, a 512-token prefill 445 → 391.
+///
+/// The AVX-512 loop fetches value rows into L2 only (keys into L2, then L1). Into L1 as well,
+/// on a Zen 4 EPYC (`rivulet-worker-bench` at context 256, three alternations of the two builds)
+/// attention took 821 / 861 / 955 µs of a one-sequence step against 654 / 717 / 727 without,
+/// and 17.1 / 19.8 / 20.9 ms of a 32-sequence step against 16.4 / 16.8 / 19.1. Scoring sixteen
+/// keys at once with their sums reduced by one tree of shuffles, on the same machine, was no
+/// faster than this loop's one key at a time (attention 19.4–21.1 ms against 16.9–18.5 at 32).
 pub fn score_keys(
     queries: &[f32],
     keys: &[f32],
@@ -319,8 +326,10 @@ unsafe fn score_keys_avx512<const G: usize>(
             if let Some(&ahead) = offsets.get(t + PREFETCH_L2_ROWS_AHEAD) {
                 prefetch_key_rows::<_MM_HINT_T1>(keys, Some(values), ahead, dim);
             }
+            // Key rows only: the value rows are summed after every key of the part is scored,
+            // by when rows fetched into L1 this early have left it (measured at `score_keys`).
             if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
-                prefetch_key_rows::<_MM_HINT_T0>(keys, Some(values), ahead, dim);
+                prefetch_key_rows::<_MM_HINT_T0>(keys, None, ahead, dim);
             }
             let row = keys.add(at);
             let mut acc = [_mm512_setzero_ps(); G];
