@@ -4,7 +4,9 @@
 //!
 //! `cargo bench -p rivulet-kernels --bench attention [-- threads [batch [context [layers
 //! [repeats]]]]]` (defaults 2 32 256 30 1). With 30 layers a 32-sequence step's 377 MB come from
-//! memory; `-- 1 4 256 1 100` keeps one 1.6 MB layer in L2, which times the arithmetic alone.
+//! memory; `-- 1 4 256 1 100` keeps one 1.6 MB layer in L2 where L2 holds it (the Xeon's 2 MB;
+//! not Zen 4's 1 MB: `-- 1 2 256 1 200` there), which times the arithmetic, plus rayon's
+//! hand-off for each of the 100 calls (~30% of the thread's time in a profile on 2 vCPUs).
 //! Block tables are shuffled, as a serving cache hands blocks out; `ATTENTION_IN_ORDER=1` gives
 //! each sequence consecutive blocks instead.
 

@@ -329,7 +329,7 @@ unsafe fn score_keys_avx512<const G: usize>(
             // Key rows only: the value rows are summed after every key of the part is scored,
             // by when rows fetched into L1 this early have left it (measured at `score_keys`).
             if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
-                prefetch_key_rows::<_MM_HINT_T0>(keys, None, ahead, dim);
+                prefetch_row::<_MM_HINT_T0>(keys, ahead, dim);
             }
             let row = keys.add(at);
             let mut acc = [_mm512_setzero_ps(); G];
