@@ -308,6 +308,12 @@ impl WeightMatrix {
             Path::PanelGemvAvx2 if batch == 1 && self.format != GgmlType::Q8_0 && simd::digits_enabled() => {
                 simd::ActivationDigits::new(&x[..self.cols])
             }
+            // And on AVX-512BW, two panels at once (`simd::panel_digits_avx512`).
+            Path::PanelGemv
+                if batch == 1 && self.format != GgmlType::Q8_0 && simd::digits_enabled() && simd::has_avx512bw() =>
+            {
+                simd::ActivationDigits::new(&x[..self.cols])
+            }
             _ => None,
         };
         (0..units.div_ceil(per_task)).into_par_iter().for_each(|task| {
@@ -344,7 +350,27 @@ impl WeightMatrix {
                 }
                 Path::PanelGemv => SCRATCH.with_borrow_mut(|scratch| {
                     // `PanelGemv` is chosen only where panels exist.
-                    if let Some(panels) = &self.panels {
+                    if let (Some(panels), Some(digits)) = (&self.panels, &digits) {
+                        // One row's digits against 4-bit panels, two panels a pass (the last of
+                        // an odd count on the AVX2 digit kernel).
+                        scratch.sums.resize(2 * simd::PANEL, 0.0);
+                        let mut panel = first;
+                        while panel < last {
+                            let rows = (2 * simd::PANEL).min(last - panel);
+                            if rows > simd::PANEL {
+                                panels.product_digits_pair_avx512(
+                                    panel / simd::PANEL,
+                                    digits,
+                                    &block_sums,
+                                    &mut scratch.sums,
+                                );
+                            } else {
+                                panels.product_digits_avx2(panel / simd::PANEL, digits, &block_sums, &mut scratch.sums);
+                            }
+                            output.store_rows(0..1, first_column + panel, rows, &scratch.sums, 2 * simd::PANEL);
+                            panel += rows;
+                        }
+                    } else if let Some(panels) = &self.panels {
                         let tile = panel_tile_rows(self.cols);
                         scratch.sums.resize(tile.min(batch) * simd::PANEL, 0.0);
                         for first_row in (0..batch).step_by(tile) {

@@ -1,6 +1,6 @@
 //! The crate's only `unsafe` (here and in its children [`row_gemv`], [`packed_gemm`],
 //! [`gemv_q4_1`], [`panels`], [`panel_gemv`], [`panel_gemv_avx2`], [`panel_digits_avx2`],
-//! [`amx`] and [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F one, an AMX one
+//! [`panel_digits_avx512`], [`amx`] and [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F one, an AMX one
 //! (with its own invariants, stated there), and the output handle that lets parallel tasks write
 //! disjoint columns of one matrix.
 //!
@@ -30,6 +30,7 @@ mod gemv_q4_1;
 mod grouped_heads;
 mod packed_gemm;
 mod panel_digits_avx2;
+mod panel_digits_avx512;
 mod panel_gemv;
 mod panel_gemv_avx2;
 mod panels;
@@ -40,6 +41,7 @@ pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
 pub use grouped_heads::{score_keys, weighted_rows};
 pub use packed_gemm::{gemm_panel_avx2, pack_panel_avx2};
 pub use panel_digits_avx2::ActivationDigits;
+pub use panel_digits_avx512::has_avx512bw;
 pub use panel_gemv::{block_sums, PANEL_GEMV_ROWS};
 pub use panels::Panels;
 pub use peak::fma_peak_gflops_on;

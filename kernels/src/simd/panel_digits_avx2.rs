@@ -48,16 +48,16 @@ use super::panels::{Kind, Panels, Q4_BLOCK, SCALES};
 use super::{has_avx2, PANEL};
 
 /// Digits per activation value.
-const DIGITS: usize = 3;
+pub(super) const DIGITS: usize = 3;
 
 /// Pairs of nibble columns per 32-value block (one 32-byte panel load each).
-const PAIRS: usize = 8;
+pub(super) const PAIRS: usize = 8;
 
 /// One digit of a block's 32 values as 16 broadcastable pairs (see the module's layout), on a
 /// cache line of its own.
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(64))]
-struct DigitPairs([u8; 64]);
+pub(super) struct DigitPairs([u8; 64]);
 
 impl Default for DigitPairs {
     fn default() -> Self {
@@ -69,9 +69,9 @@ impl Default for DigitPairs {
 #[derive(Debug, Clone, Default)]
 pub struct ActivationDigits {
     /// `DIGITS` per block.
-    pairs: Vec<DigitPairs>,
+    pub(super) pairs: Vec<DigitPairs>,
     /// Per block, `s1` and `s2`.
-    scales: Vec<[f32; 2]>,
+    pub(super) scales: Vec<[f32; 2]>,
 }
 
 impl ActivationDigits {
