@@ -243,7 +243,8 @@ impl WeightMatrix {
         }
         // With AMX and panels, batches of `AMX_MIN_BATCH` or more run on the tiles (`PanelAmx`).
         // With AVX-512 and panels, every batch multiplies straight from the panels, decoded in
-        // registers, eight activation rows a pass (`PanelGemv`); with AVX2, batches of up to
+        // registers, eight activation rows a pass (`PanelGemv`; one row against 4-bit panels on
+        // its 8-bit digits where the CPU has AVX-512BW); with AVX2, batches of up to
         // `PANEL_GEMV_AVX2_MAX_BATCH` (`PanelGemvAvx2`). Without panels, small batches decode
         // each row-major block in registers and use it at once (`Gemv`; one or two rows against
         // Q4_1 with the block minimum factored out, `GemvQ4_1`). Larger ones decode a panel of
@@ -315,6 +316,11 @@ impl WeightMatrix {
                 simd::ActivationDigits::new(&x[..self.cols])
             }
             _ => None,
+        };
+        // Whole pairs of panels per task where the AVX-512 digit kernel takes two at once.
+        let per_task = match (path, &digits) {
+            (Path::PanelGemv, Some(_)) => per_task.next_multiple_of(2),
+            _ => per_task,
         };
         (0..units.div_ceil(per_task)).into_par_iter().for_each(|task| {
             let first = task * per_task * unit;
