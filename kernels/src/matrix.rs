@@ -317,9 +317,11 @@ impl WeightMatrix {
             }
             _ => None,
         };
-        // Whole pairs of panels per task where the AVX-512 digit kernel takes two at once.
+        // Whole pairs of panels per task where the AVX-512 digit kernel takes two at once,
+        // and whole groups of panels where the AMX path takes several at once.
         let per_task = match (path, &digits) {
             (Path::PanelGemv, Some(_)) => per_task.next_multiple_of(2),
+            (Path::PanelAmx, _) => per_task.next_multiple_of(simd::AMX_PANELS),
             _ => per_task,
         };
         (0..units.div_ceil(per_task)).into_par_iter().for_each(|task| {
@@ -431,10 +433,12 @@ impl WeightMatrix {
                 Path::PanelAmx => {
                     // `PanelAmx` is chosen only where panels exist and the CPU has AMX.
                     if let Some(panels) = &self.panels {
+                        let group = simd::AMX_PANELS * simd::PANEL;
                         simd::Tiles::with(|| {
-                            for panel in (first..last).step_by(simd::PANEL) {
-                                let rows = simd::PANEL.min(last - panel);
-                                panels.product_amx(panel / simd::PANEL, &split, &output, first_column + panel, rows);
+                            for panel in (first..last).step_by(group) {
+                                let rows = group.min(last - panel);
+                                let panels_now = panel / simd::PANEL..(panel + rows).div_ceil(simd::PANEL);
+                                panels.product_amx(panels_now, &split, &output, first_column + panel, rows);
                             }
                         });
                     }

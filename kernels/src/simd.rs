@@ -36,7 +36,7 @@ mod panel_gemv_avx2;
 mod panels;
 mod peak;
 mod row_gemv;
-pub use amx::{has_amx, SplitActivations, Tiles};
+pub use amx::{has_amx, SplitActivations, Tiles, AMX_PANELS};
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
 pub use grouped_heads::{score_keys, weighted_rows};
 pub use packed_gemm::{gemm_panel_avx2, pack_panel_avx2};

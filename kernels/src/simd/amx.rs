@@ -175,51 +175,87 @@ impl Tiles {
     }
 }
 
+/// Panels one call of [`Panels::product_amx`] multiplies at most: each activation tile loaded
+/// onto the tiles serves that many panels' products.
+///
+/// Why: with one panel a call, every block of every activation tile loaded its three activation
+/// parts for sixteen columns' products (a layer's down projection, 1536 values a row, reads
+/// 144 KiB of parts a tile, from L2, for each panel). Two panels a call halve those loads and
+/// alternate two panels' products on the tile unit. On the 2-vCPU Xeon of the README's
+/// twenty-third round (`rivulet-worker-bench` at context 256, three alternations): a 32-sequence
+/// step 44.5 / 44.5 / 43.0 → 41.6 / 43.7 / 41.5 ms (down 5.8–6.5 → 5.1–5.3), a 64-sequence one
+/// 78.0 / 79.3 / 81.3 → 75.3 / 76.4 / 75.5 (gate+up 14.1–15.5 → 12.8–13.7, the head 8.0–8.7 →
+/// 7.0–7.5). Three panels a call (seven tiles, one set) measured slower, likely because three
+/// panels' f32 totals (48 vectors) no longer fit the registers: at 32 sequences the head 4.4–4.6
+/// → 5.4–5.7 ms, qkv 3.0 → 4.4–4.8 (its 60 panels also split unevenly by threes).
+pub const AMX_PANELS: usize = 2;
+
 impl Panels {
-    /// `out[b][first_column + r] = Σ_k x[b][k] · w[panel · PANEL + r][k]` for every row `b` of
-    /// `acts` and `r < columns` (at most `PANEL`: a last panel's real rows), written straight into
-    /// `out`. Must run inside [`Tiles::with`]; the caller owns those columns of `out` (the
-    /// [`SharedOutput`] invariant).
+    /// `out[b][first_column + 16·i + r] = Σ_k x[b][k] · w[(panels.start + i) · PANEL + r][k]` for
+    /// every row `b` of `acts`, every panel `i` of `panels` (at most [`AMX_PANELS`]) and
+    /// `16·i + r < columns` (the panels' real rows: only the last may be partial), written
+    /// straight into `out`. Must run inside [`Tiles::with`]; the caller owns those columns of
+    /// `out` (the [`SharedOutput`] invariant).
     pub fn product_amx(
         &self,
-        panel: usize,
+        panels: std::ops::Range<usize>,
         acts: &SplitActivations,
         out: &SharedOutput,
         first_column: usize,
         columns: usize,
     ) {
         assert!(has_amx() && CONFIGURED.get(), "product_amx runs inside Tiles::with");
+        let count = panels.len();
+        assert!((1..=AMX_PANELS).contains(&count));
         let blocks = self.blocks_per_row();
         // `matmul` takes another path for empty rows: the first block's products run unguarded.
         assert!(blocks > 0);
         assert_eq!(acts.blocks, blocks);
-        assert!(columns <= PANEL && fits(out.columns, first_column.checked_add(columns)));
+        assert!(columns > (count - 1) * PANEL && columns <= count * PANEL);
+        assert!(fits(out.columns, first_column.checked_add(columns)));
         assert_eq!(out.batch, acts.rows);
-        let source = self.blocks(panel, 0..blocks);
+        // The panels' blocks (a lone panel's twice: only the first `count` are read).
+        let sources: [&[u8]; AMX_PANELS] =
+            std::array::from_fn(|i| self.blocks(panels.start + i.min(count - 1), 0..blocks));
         SCRATCH.with_borrow_mut(|scratch| {
-            scratch.b_tiles.resize(blocks * B_TILE_BYTES / 64, Line([0; 64]));
-            scratch.results.resize(2 * TILE_ROWS * PANEL * 4 / 64, Line([0; 64]));
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX-512BW present (`has_amx`); `source` holds `blocks` blocks of this
-            // kind and `b_tiles` `blocks` widened tiles (sized above).
-            unsafe {
-                let tiles = scratch.b_tiles.as_mut_ptr().cast::<u8>();
-                match self.kind() {
-                    Kind::Q4 => widen_q4(source.as_ptr(), blocks, tiles),
-                    Kind::Q8 => widen_q8(source.as_ptr(), blocks, tiles),
+            scratch
+                .b_tiles
+                .resize(count * blocks * B_TILE_BYTES / 64, Line([0; 64]));
+            scratch
+                .results
+                .resize(RESULT_TILES * TILE_ROWS * PANEL * 4 / 64, Line([0; 64]));
+            for (panel, source) in sources.iter().take(count).enumerate() {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX-512BW present (`has_amx`); `source` holds `blocks` blocks of this
+                // kind and `b_tiles` `blocks` widened tiles from `panel · blocks` (sized above).
+                unsafe {
+                    let tiles = scratch
+                        .b_tiles
+                        .as_mut_ptr()
+                        .cast::<u8>()
+                        .add(panel * blocks * B_TILE_BYTES);
+                    match self.kind() {
+                        Kind::Q4 => widen_q4(source.as_ptr(), blocks, tiles),
+                        Kind::Q8 => widen_q8(source.as_ptr(), blocks, tiles),
+                    }
                 }
             }
+            let kernel = match count {
+                1 => tile_product::<1>,
+                _ => tile_product::<2>,
+            };
             for tile in 0..acts.tiles() {
                 let first = tile * TILE_ROWS;
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: inside `Tiles::with` (caller); `acts` holds `blocks` split blocks and
-                // block sums for each of its tiles (its constructor), `b_tiles` `blocks` tiles,
-                // `results` two result tiles; `out` has `acts.rows` rows of `out.columns`, of which
-                // `first_column..first_column + columns` are this task's (asserted above).
+                // block sums for each of its tiles (its constructor), `b_tiles` `blocks` tiles per
+                // panel, `results` `RESULT_TILES` result tiles; `out` has `acts.rows` rows of
+                // `out.columns`, of which `first_column..first_column + columns` are this task's
+                // (asserted above).
                 unsafe {
-                    tile_product(
+                    kernel(
                         self.kind(),
-                        source.as_ptr(),
+                        sources.map(<[u8]>::as_ptr),
                         blocks,
                         acts.tiles_data[tile * blocks * A_BLOCK / 32..].as_ptr().cast(),
                         scratch.b_tiles.as_ptr().cast(),
@@ -237,6 +273,9 @@ impl Panels {
         });
     }
 }
+
+/// Result tiles in flight: a block's, for each panel, while the next block's products run.
+const RESULT_TILES: usize = 2 * AMX_PANELS;
 
 /// Where a tile's results go: `rows` rows `stride` apart from `first`, `columns` values each.
 #[derive(Clone, Copy)]
@@ -306,17 +345,24 @@ unsafe fn widen_q8(source: *const u8, blocks: usize, tiles: *mut u8) {
     }
 }
 
-/// Runs one block's products for one activation tile on tile-register set `SET` (0:
-/// `tmm0..tmm3`, 1: `tmm4..tmm7`): `results = hi·q + mid·q + lo·q`, `[16][16]` f32 (`lo`
-/// reloads the tile `hi` used once its product has read it). Two sets in turn let one block's
-/// products run while the vector unit scales the block before.
+/// Runs one block's products for one activation tile and `P` panels (1 or 2):
+/// `results[i] = hi·q_i + mid·q_i + lo·q_i`, `[16][16]` f32 each, summed in that order (the
+/// same sums whatever `P`, bit for bit).
+///
+/// One panel runs on tile-register set `SET` (0: `tmm0..tmm3`, 1: `tmm4..tmm7`; `lo` reloads
+/// the tile `hi` used once its product has read it): two sets in turn let one block's products
+/// run while the block before is stored and scaled (with one set, a 32-sequence step's gate+up
+/// projections took 9.1–9.8 ms instead of 7.9–8.5 on the twenty-third round's Xeon). Two panels
+/// take six tiles, one set: results on `tmm0` and `tmm1`, quants on `tmm4` and `tmm5`, the
+/// activation parts on `tmm3` and `tmm7`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn block_products<const SET: usize>(a: *const u16, b: *const u8, results: *mut f32) {
+unsafe fn block_products<const P: usize, const SET: usize>(a: *const u16, b: [*const u8; P], results: [*mut f32; P]) {
     // SAFETY: inside `Tiles::with` (caller); `a` holds a block's `hi`, `mid` and `lo` tiles
-    // (1 KiB each, rows 64 bytes apart), `b` its widened quants and `results` 1 KiB.
+    // (1 KiB each, rows 64 bytes apart), each `b` a panel's widened quants and each of `results`
+    // 1 KiB.
     unsafe {
-        macro_rules! products {
+        macro_rules! one_panel {
             ($c:literal, $first:literal, $second:literal, $q:literal) => {
                 std::arch::asm!(
                     concat!("tilezero ", $c),
@@ -329,17 +375,42 @@ unsafe fn block_products<const SET: usize>(a: *const u16, b: *const u8, results:
                     concat!("tdpbf16ps ", $c, ", ", $first, ", ", $q),
                     concat!("tilestored [{r} + {s64}*1], ", $c),
                     a = in(reg) a,
-                    b = in(reg) b,
-                    r = in(reg) results,
+                    b = in(reg) b[0],
+                    r = in(reg) results[0],
                     s64 = in(reg) 64usize,
                     options(nostack),
                 )
             };
         }
-        if SET == 0 {
-            products!("tmm0", "tmm1", "tmm2", "tmm3");
+        if P == 1 && SET == 0 {
+            one_panel!("tmm0", "tmm1", "tmm2", "tmm3");
+        } else if P == 1 {
+            one_panel!("tmm4", "tmm5", "tmm6", "tmm7");
         } else {
-            products!("tmm4", "tmm5", "tmm6", "tmm7");
+            std::arch::asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tileloadd tmm3, [{a} + {s64}*1]",
+                "tileloadd tmm4, [{b0} + {s64}*1]",
+                "tileloadd tmm5, [{b1} + {s64}*1]",
+                "tileloadd tmm7, [{a} + {s64}*1 + 1024]",
+                "tdpbf16ps tmm0, tmm3, tmm4",
+                "tdpbf16ps tmm1, tmm3, tmm5",
+                "tdpbf16ps tmm0, tmm7, tmm4",
+                "tdpbf16ps tmm1, tmm7, tmm5",
+                "tileloadd tmm3, [{a} + {s64}*1 + 2048]",
+                "tdpbf16ps tmm0, tmm3, tmm4",
+                "tdpbf16ps tmm1, tmm3, tmm5",
+                "tilestored [{r0} + {s64}*1], tmm0",
+                "tilestored [{r1} + {s64}*1], tmm1",
+                a = in(reg) a,
+                b0 = in(reg) b[0],
+                b1 = in(reg) b[P - 1],
+                r0 = in(reg) results[0],
+                r1 = in(reg) results[P - 1],
+                s64 = in(reg) 64usize,
+                options(nostack),
+            );
         }
     }
 }
@@ -371,15 +442,15 @@ unsafe fn scale_block(
     }
 }
 
-/// One tile of activation rows (`rows` of them valid) times one panel: per block, the split
-/// activations times `q` on the tiles, then `d` and the offset applied in f32, block `b`'s
-/// scaling overlapping block `b + 1`'s products.
+/// One tile of activation rows (`rows` of them valid) times `P` panels: per block, the split
+/// activations times each panel's `q` on the tiles, then `d` and the offset applied in f32,
+/// block `b`'s scaling overlapping block `b + 1`'s products.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,f16c")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_product(
+unsafe fn tile_product<const P: usize>(
     kind: Kind,
-    source: *const u8,
+    sources: [*const u8; AMX_PANELS],
     blocks: usize,
     a: *const u16,
     b_tiles: *const u8,
@@ -388,41 +459,48 @@ unsafe fn tile_product(
     rows: usize,
     out: Destination,
 ) {
-    // SAFETY (whole body): see the caller; `a` holds `blocks` triples of split tiles,
-    // `results` two 16×16 f32 tiles, `sums` `16 · blocks` (4-bit only) and `out` `rows` rows
-    // of `out.columns` values.
+    // SAFETY (whole body): see the caller; `sources` holds the `P` panels' blocks, `a` `blocks`
+    // triples of split tiles, `b_tiles` `blocks` tiles per panel, `results` `2·P` 16×16 f32
+    // tiles, `sums` `16 · blocks` (4-bit only) and `out` `rows` rows of `out.columns` values.
     unsafe {
         let (block_bytes, q4) = match kind {
             Kind::Q4 => (Q4_BLOCK, true),
             Kind::Q8 => (Q8_BLOCK, false),
         };
-        let result = |block: usize| results.add((block & 1) * TILE_ROWS * PANEL);
+        let result = |block: usize, panel: usize| results.add(((block & 1) * P + panel) * TILE_ROWS * PANEL);
         let products = |block: usize| {
-            let (a, b) = (a.add(block * A_BLOCK), b_tiles.add(block * B_TILE_BYTES));
+            let a = a.add(block * A_BLOCK);
+            let b = std::array::from_fn(|panel| b_tiles.add((panel * blocks + block) * B_TILE_BYTES));
+            let results = std::array::from_fn(|panel| result(block, panel));
             if block & 1 == 0 {
-                block_products::<0>(a, b, result(block));
+                block_products::<P, 0>(a, b, results);
             } else {
-                block_products::<1>(a, b, result(block));
+                block_products::<P, 1>(a, b, results);
             }
         };
-        let mut acc = [_mm512_setzero_ps(); TILE_ROWS];
+        let mut acc = [[_mm512_setzero_ps(); TILE_ROWS]; P];
         products(0);
         for block in 0..blocks {
             if block + 1 < blocks {
                 products(block + 1);
             }
-            scale_block(
-                &mut acc,
-                source.add(block * block_bytes),
-                q4,
-                result(block),
-                sums.wrapping_add(block * TILE_ROWS),
-            );
+            for (panel, acc) in acc.iter_mut().enumerate() {
+                scale_block(
+                    acc,
+                    sources[panel].add(block * block_bytes),
+                    q4,
+                    result(block, panel),
+                    sums.wrapping_add(block * TILE_ROWS),
+                );
+            }
         }
-        let columns = (1u32 << out.columns) - 1;
-        for (m, total) in acc.iter().enumerate() {
-            if m < rows {
-                _mm512_mask_storeu_ps(out.first.add(m * out.stride), columns as __mmask16, *total);
+        for (panel, acc) in acc.iter().enumerate() {
+            let columns = out.columns.saturating_sub(panel * PANEL).min(PANEL);
+            let mask = ((1u32 << columns) - 1) as __mmask16;
+            for (m, total) in acc.iter().enumerate() {
+                if m < rows {
+                    _mm512_mask_storeu_ps(out.first.add(m * out.stride + panel * PANEL), mask, *total);
+                }
             }
         }
     }
