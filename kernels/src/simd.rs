@@ -67,7 +67,8 @@ pub fn has_avx2() -> bool {
     })
 }
 
-/// Whether one 4-bit row on AVX2 multiplies its 8-bit digits ([`panel_digits_avx2`]);
+/// Whether one 4-bit row multiplies its 8-bit digits ([`panel_digits_avx2`], and on AVX-512BW
+/// [`panel_digits_avx512`]);
 /// `RIVULET_KERNELS_NO_DIGITS=1` keeps it on the f32 panel GEMV (to compare them).
 pub fn digits_enabled() -> bool {
     use std::sync::OnceLock;

@@ -351,9 +351,7 @@ unsafe fn widen_q8(source: *const u8, blocks: usize, tiles: *mut u8) {
 ///
 /// One panel runs on tile-register set `SET` (0: `tmm0..tmm3`, 1: `tmm4..tmm7`; `lo` reloads
 /// the tile `hi` used once its product has read it): two sets in turn let one block's products
-/// run while the block before is stored and scaled (with one set, a 32-sequence step's gate+up
-/// projections took 9.1–9.8 ms instead of 7.9–8.5 on the twenty-third round's Xeon). Two panels
-/// take six tiles, one set: results on `tmm0` and `tmm1`, quants on `tmm4` and `tmm5`, the
+/// run while the block before is stored and scaled. Two panels take six tiles, one set: results on `tmm0` and `tmm1`, quants on `tmm4` and `tmm5`, the
 /// activation parts on `tmm3` and `tmm7`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
