@@ -351,8 +351,10 @@ unsafe fn widen_q8(source: *const u8, blocks: usize, tiles: *mut u8) {
 ///
 /// One panel runs on tile-register set `SET` (0: `tmm0..tmm3`, 1: `tmm4..tmm7`; `lo` reloads
 /// the tile `hi` used once its product has read it): two sets in turn let one block's products
-/// run while the block before is stored and scaled. Two panels take six tiles, one set: results on `tmm0` and `tmm1`, quants on `tmm4` and `tmm5`, the
-/// activation parts on `tmm3` and `tmm7`.
+/// run while the block before is stored and scaled. Two panels take six tiles, one set:
+/// results on `tmm0` and `tmm1`, quants on `tmm4` and `tmm5`, the activation parts on `tmm3`
+/// and `tmm7` (`mid` has a tile of its own, so that its load need not wait for `hi`'s
+/// products).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn block_products<const P: usize, const SET: usize>(a: *const u16, b: [*const u8; P], results: [*mut f32; P]) {
