@@ -6,8 +6,8 @@
 //!
 //! Invariants, checked where each function is entered from safe code:
 //! - Every `#[target_feature]` function is called only after [`has_avx2`] (for `avx512f`
-//!   functions, [`has_avx512`]) returned true (the safe wrappers check it), so the instructions
-//!   exist on this CPU.
+//!   functions, [`has_avx512`]; for `avx512bw` ones, [`has_avx512bw`] or [`has_amx`]) returned
+//!   true (the safe wrappers check it), so the instructions exist on this CPU.
 //! - Every pointer read or written lies inside a slice whose length was checked against the
 //!   loop bounds before the loop (the `assert!`s at the top of each safe wrapper); loads and
 //!   stores are unaligned (`loadu`/`storeu`), so no alignment is assumed.
