@@ -297,6 +297,46 @@ unsafe fn q4_digits(
     }
 }
 
+/// Test data shared with [`super::panel_digits_avx512`]'s tests.
+#[cfg(test)]
+pub(super) mod fixtures {
+    use super::Panels;
+
+    /// `rows` rows of `blocks` Q4_1 blocks with scales and offsets that vary by row, as panels,
+    /// and as GGUF's scalar dequantization gives them (row-major).
+    pub fn q4_1_panels(rows: usize, blocks: usize) -> (Panels, Vec<f32>) {
+        let mut data = Vec::new();
+        for i in 0..rows * blocks {
+            let scale = half::f16::from_f32(0.002 + 0.0001 * (i % 7) as f32);
+            let minimum = half::f16::from_f32(-0.015 * (1.0 + (i % 3) as f32));
+            data.extend(scale.to_le_bytes());
+            data.extend(minimum.to_le_bytes());
+            data.extend((0..16).map(|k| ((i * 31 + k * 17) % 256) as u8));
+        }
+        let panels = Panels::new(rivulet_gguf::GgmlType::Q4_1, &data, rows, blocks, blocks * 20).expect("Q4_1 panels");
+        let mut dense = Vec::new();
+        rivulet_gguf::dequant::dequantize_append(rivulet_gguf::GgmlType::Q4_1, &data, &mut dense).expect("Q4_1");
+        (panels, dense)
+    }
+
+    /// Rows of `cols` values (at least 128) shaped like a model's activations: a few values
+    /// 100× the rest and a block of zeros, at three spreads (returned with each row).
+    pub fn activation_rows(cols: usize) -> Vec<(f32, Vec<f32>)> {
+        [1.0f32, 100.0, 1e-3]
+            .into_iter()
+            .map(|spread| {
+                let mut x: Vec<f32> = (0..cols)
+                    .map(|k| ((k * 7919 % 211) as f32 / 105.0 - 1.0) * spread)
+                    .collect();
+                x[5] *= 150.0;
+                x[70] *= -90.0;
+                x[96..128].fill(0.0);
+                (spread, x)
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -349,26 +389,10 @@ mod tests {
         if !has_avx2() {
             return;
         }
-        let (rows, blocks) = (16, 5);
-        let mut data = Vec::new();
-        for i in 0..rows * blocks {
-            let scale = half::f16::from_f32(0.002 + 0.0001 * (i % 7) as f32);
-            let minimum = half::f16::from_f32(-0.015 * (1.0 + (i % 3) as f32));
-            data.extend(scale.to_le_bytes());
-            data.extend(minimum.to_le_bytes());
-            data.extend((0..16).map(|k| ((i * 31 + k * 17) % 256) as u8));
-        }
-        let panels = Panels::new(rivulet_gguf::GgmlType::Q4_1, &data, rows, blocks, blocks * 20).expect("Q4_1 panels");
-        let mut dense = Vec::new();
-        rivulet_gguf::dequant::dequantize_append(rivulet_gguf::GgmlType::Q4_1, &data, &mut dense).expect("Q4_1");
+        let blocks = 5;
+        let (panels, dense) = fixtures::q4_1_panels(PANEL, blocks);
         let cols = blocks * 32;
-        for spread in [1.0f32, 100.0, 1e-3] {
-            let mut x: Vec<f32> = (0..cols)
-                .map(|k| ((k * 7919 % 211) as f32 / 105.0 - 1.0) * spread)
-                .collect();
-            x[5] *= 150.0;
-            x[70] *= -90.0;
-            x[96..128].fill(0.0);
+        for (spread, x) in fixtures::activation_rows(cols) {
             let digits = ActivationDigits::new(&x).expect("finite");
             let sums = crate::simd::block_sums(&x, cols, 1, cols);
             let mut out = [0f32; PANEL];

@@ -158,40 +158,8 @@ unsafe fn q4_digits_pair(
 
 #[cfg(test)]
 mod tests {
+    use super::super::panel_digits_avx2::fixtures;
     use super::*;
-
-    /// Four Q4_1 panels (64 rows) of `blocks` blocks, with scales and offsets that vary by row.
-    fn q4_1_panels(rows: usize, blocks: usize) -> (Panels, Vec<f32>) {
-        let mut data = Vec::new();
-        for i in 0..rows * blocks {
-            let scale = half::f16::from_f32(0.002 + 0.0001 * (i % 7) as f32);
-            let minimum = half::f16::from_f32(-0.015 * (1.0 + (i % 3) as f32));
-            data.extend(scale.to_le_bytes());
-            data.extend(minimum.to_le_bytes());
-            data.extend((0..16).map(|k| ((i * 31 + k * 17) % 256) as u8));
-        }
-        let panels = Panels::new(rivulet_gguf::GgmlType::Q4_1, &data, rows, blocks, blocks * 20).expect("Q4_1 panels");
-        let mut dense = Vec::new();
-        rivulet_gguf::dequant::dequantize_append(rivulet_gguf::GgmlType::Q4_1, &data, &mut dense).expect("Q4_1");
-        (panels, dense)
-    }
-
-    /// Rows shaped like a model's activations (a few values 100× the rest, a block of zeros),
-    /// at three magnitudes.
-    fn activation_rows(cols: usize) -> Vec<Vec<f32>> {
-        [1.0f32, 100.0, 1e-3]
-            .iter()
-            .map(|&spread| {
-                let mut x: Vec<f32> = (0..cols)
-                    .map(|k| ((k * 7919 % 211) as f32 / 105.0 - 1.0) * spread)
-                    .collect();
-                x[5] *= 150.0;
-                x[70] *= -90.0;
-                x[96..128].fill(0.0);
-                x
-            })
-            .collect()
-    }
 
     /// Each panel pair's products equal the AVX2 digit kernel's bit for bit, and GGUF's scalar
     /// dequantization times the row in f64 to the f32 kernels' tolerance.
@@ -201,9 +169,9 @@ mod tests {
             return;
         }
         let (rows, blocks) = (4 * PANEL, 5);
-        let (panels, dense) = q4_1_panels(rows, blocks);
+        let (panels, dense) = fixtures::q4_1_panels(rows, blocks);
         let cols = blocks * 32;
-        for x in activation_rows(cols) {
+        for (_, x) in fixtures::activation_rows(cols) {
             let digits = ActivationDigits::new(&x).expect("finite");
             let sums = crate::simd::block_sums(&x, cols, 1, cols);
             for panel in [0, 1, 2] {
