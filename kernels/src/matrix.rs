@@ -309,7 +309,8 @@ impl WeightMatrix {
             Path::PanelGemvAvx2 if batch == 1 && self.format != GgmlType::Q8_0 && simd::digits_enabled() => {
                 simd::ActivationDigits::new(&x[..self.cols])
             }
-            // And on AVX-512BW, two panels at once (`simd::panel_digits_avx512`).
+            // And on AVX-512BW, two panels at once (`simd::panel_digits_avx512`, or with VNNI
+            // `simd::panel_digits_vnni`).
             Path::PanelGemv
                 if batch == 1 && self.format != GgmlType::Q8_0 && simd::digits_enabled() && simd::has_avx512bw() =>
             {
@@ -365,7 +366,14 @@ impl WeightMatrix {
                         let mut panel = first;
                         while panel < last {
                             let rows = (2 * simd::PANEL).min(last - panel);
-                            if rows > simd::PANEL {
+                            if rows > simd::PANEL && simd::has_avx512_vnni() {
+                                panels.product_digits_pair_vnni(
+                                    panel / simd::PANEL,
+                                    digits,
+                                    &block_sums,
+                                    &mut scratch.sums,
+                                );
+                            } else if rows > simd::PANEL {
                                 panels.product_digits_pair_avx512(
                                     panel / simd::PANEL,
                                     digits,

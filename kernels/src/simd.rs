@@ -1,13 +1,14 @@
 //! The crate's only `unsafe` (here and in its children [`row_gemv`], [`packed_gemm`],
 //! [`gemv_q4_1`], [`panels`], [`panel_gemv`], [`panel_gemv_avx2`], [`panel_digits_avx2`],
-//! [`panel_digits_avx512`], [`amx`] and [`grouped_heads`]): AVX2 + FMA + F16C code paths, an AVX-512F one, an AMX one
-//! (with its own invariants, stated there), and the output handle that lets parallel tasks write
-//! disjoint columns of one matrix.
+//! [`panel_digits_avx512`], [`panel_digits_vnni`], [`amx`] and [`grouped_heads`]): AVX2 + FMA +
+//! F16C code paths, AVX-512 ones, an AMX one (with its own invariants, stated there), and the
+//! output handle that lets parallel tasks write disjoint columns of one matrix.
 //!
 //! Invariants, checked where each function is entered from safe code:
 //! - Every `#[target_feature]` function is called only after [`has_avx2`] (for `avx512f`
-//!   functions, [`has_avx512`]; for `avx512bw` ones, [`has_avx512bw`] or [`has_amx`]) returned
-//!   true (the safe wrappers check it), so the instructions exist on this CPU.
+//!   functions, [`has_avx512`]; for `avx512bw` ones, [`has_avx512bw`] or [`has_amx`]; for
+//!   `avx512vnni` ones, [`has_avx512_vnni`]) returned true (the safe wrappers check it), so the
+//!   instructions exist on this CPU.
 //! - Every pointer read or written lies inside a slice whose length was checked against the
 //!   loop bounds before the loop (the `assert!`s at the top of each safe wrapper); loads and
 //!   stores are unaligned (`loadu`/`storeu`), so no alignment is assumed.
@@ -31,6 +32,7 @@ mod grouped_heads;
 mod packed_gemm;
 mod panel_digits_avx2;
 mod panel_digits_avx512;
+mod panel_digits_vnni;
 mod panel_gemv;
 mod panel_gemv_avx2;
 mod panels;
@@ -42,6 +44,7 @@ pub use grouped_heads::{score_keys, weighted_rows};
 pub use packed_gemm::{gemm_panel_avx2, pack_panel_avx2};
 pub use panel_digits_avx2::ActivationDigits;
 pub use panel_digits_avx512::has_avx512bw;
+pub use panel_digits_vnni::has_avx512_vnni;
 pub use panel_gemv::{block_sums, PANEL_GEMV_ROWS};
 pub use panels::Panels;
 pub use peak::fma_peak_gflops_on;

@@ -65,11 +65,19 @@ impl Default for DigitPairs {
     }
 }
 
+/// One digit of a block's 32 values in order, one byte each: what a VNNI kernel broadcasts four
+/// at a time ([`super::panel_digits_vnni`]).
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C, align(32))]
+pub(super) struct DigitQuads([u8; 32]);
+
 /// One activation row as three 8-bit digits per value (see the module docs).
 #[derive(Debug, Clone, Default)]
 pub struct ActivationDigits {
     /// `DIGITS` per block.
     pub(super) pairs: Vec<DigitPairs>,
+    /// The same digits in order, `DIGITS` per block.
+    pub(super) quads: Vec<DigitQuads>,
     /// Per block, `s1` and `s2`.
     pub(super) scales: Vec<[f32; 2]>,
 }
@@ -84,6 +92,7 @@ impl ActivationDigits {
         let blocks = x.len() / 32;
         let mut digits = Self {
             pairs: vec![DigitPairs::default(); blocks * DIGITS],
+            quads: vec![DigitQuads::default(); blocks * DIGITS],
             scales: vec![[0.0; 2]; blocks],
         };
         #[cfg(target_arch = "x86_64")]
@@ -105,13 +114,15 @@ impl ActivationDigits {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     fn fill(&mut self, x: &[f32]) -> bool {
-        for ((block, pairs), scales) in x
+        for (((block, pairs), quads), scales) in x
             .chunks_exact(32)
             .zip(self.pairs.chunks_exact_mut(DIGITS))
+            .zip(self.quads.chunks_exact_mut(DIGITS))
             .zip(&mut self.scales)
         {
             // SAFETY: AVX2 and FMA are enabled here; every load reads inside `block` (32 values)
-            // and every store writes inside one of `pairs`' `DIGITS` 64-byte-aligned lines.
+            // and every store writes inside one of `pairs`' `DIGITS` 64-byte-aligned lines or
+            // `quads`' `DIGITS` 32-byte-aligned ones.
             unsafe {
                 let values: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(block.as_ptr().add(8 * i)));
                 if !all_finite(values) {
@@ -128,7 +139,7 @@ impl ActivationDigits {
                     continue;
                 }
                 let mut rest = values;
-                for (line, scale) in pairs.iter_mut().zip([s0, s1, s2]) {
+                for ((line, quads), scale) in pairs.iter_mut().zip(quads.iter_mut()).zip([s0, s1, s2]) {
                     let (step, inverse) = (_mm256_set1_ps(scale), _mm256_set1_ps(1.0 / scale));
                     let digits: [__m256i; 4] = std::array::from_fn(|i| {
                         // Nearest, ties to even (MXCSR's default), held to ±127.
@@ -138,7 +149,9 @@ impl ActivationDigits {
                         d
                     });
                     let line: *mut __m256i = (line as *mut DigitPairs).cast();
-                    let [first, second] = broadcast_pairs(digits);
+                    let in_order = digit_bytes(digits);
+                    _mm256_store_si256((quads as *mut DigitQuads).cast(), in_order);
+                    let [first, second] = broadcast_pairs(in_order);
                     _mm256_store_si256(line, first);
                     _mm256_store_si256(line.add(1), second);
                 }
@@ -170,11 +183,10 @@ fn largest_magnitude(values: [__m256; 4]) -> f32 {
     _mm_cvtss_f32(m)
 }
 
-/// 32 digits (as 32-bit integers, in order) as 16 32-bit words, word `q` holding the bytes
-/// `(D[2q], D[2q + 1])` twice (see the module's layout): words 0..8, then 8..16.
+/// 32 digits (as 32-bit integers, in order) as 32 bytes in order.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn broadcast_pairs(digits: [__m256i; 4]) -> [__m256i; 2] {
+fn digit_bytes(digits: [__m256i; 4]) -> __m256i {
     // The packs work within 128-bit halves: the bytes come out as digits 0-3, 8-11, 16-19,
     // 24-27, 4-7, 12-15, 20-23, 28-31, which the dword permutation puts back in order.
     let words = [
@@ -182,7 +194,14 @@ fn broadcast_pairs(digits: [__m256i; 4]) -> [__m256i; 2] {
         _mm256_packs_epi32(digits[2], digits[3]),
     ];
     let bytes = _mm256_packs_epi16(words[0], words[1]);
-    let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+}
+
+/// 32 digit bytes in order as 16 32-bit words, word `q` holding the bytes `(D[2q], D[2q + 1])`
+/// twice (see the module's layout): words 0..8, then 8..16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn broadcast_pairs(bytes: __m256i) -> [__m256i; 2] {
     // Pairs 0-3 and 8-11 in the first 128 bits, 4-7 and 12-15 in the last, so that the
     // in-lane unpacks below give pairs 0-7 and then 8-15, each doubled.
     let bytes = _mm256_permute4x64_epi64::<0b11_01_10_00>(bytes);

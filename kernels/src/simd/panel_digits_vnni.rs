@@ -1,0 +1,216 @@
+//! One activation row times two 4-bit panels at once with AVX-512 VNNI: the digits scheme of
+//! [`super::panel_digits_avx2`] (the row as three signed 8-bit digits per value, every integer
+//! sum exact), with `vpdpbusd` multiplying four weights of a row by four digits and adding the
+//! four products into a 32-bit sum in one instruction. Part of [`super`]'s `unsafe`, under its
+//! invariants (its functions need AVX-512 VNNI and BW as well: [`has_avx512_vnni`]).
+//!
+//! Why: the AVX-512BW kernel ([`super::panel_digits_avx512`]) spends two instructions per
+//! multiply (`vpmaddubsw`, then a 16-bit add) and joins its 16-bit sums into 32-bit ones per
+//! block; a one-token step on a Xeon with it still ran its 4-bit projections at ~60% of the
+//! memory's speed, bound by instructions. `vpdpbusd` accumulates straight into 32-bit sums, and
+//! takes its digits as a broadcast memory operand, so a block of two panels costs ~150
+//! instructions instead of ~230.
+//!
+//! Layout: the panels keep their one layout ([`super::panels`]): 16-bit word `r` of a 32-byte
+//! column pair `p` holds row `r`'s values `(2p, 2p + 1)` once the nibbles are masked apart.
+//! Interleaving the words of pairs `2g` and `2g + 1` (`vpunpcklwd`/`vpunpckhwd`) makes each
+//! 32-bit word one row's values `4g..4g + 4` (or `4g + 16..4g + 20` for the high nibbles),
+//! what `vpdpbusd` multiplies by the broadcast digits `D[4g..4g + 4]`, in order
+//! ([`super::panel_digits_avx2::DigitQuads`]). As in the BW kernel, each 512-bit vector holds
+//! panel `A`'s bytes in its low 256 bits and panel `B`'s in the high ones, so the interleaved
+//! vectors hold rows 0..4 and 8..12 (`lo`) or 4..8 and 12..16 (`hi`) of `A`, then of `B`.
+//!
+//! The 32-bit sums are the BW kernel's (`Σ q·D` per digit, the leading two joined as
+//! `256·ΣqD0 + ΣqD1`, exact below 2²⁴), and the scaling is the same arithmetic in the same
+//! order, so the results equal the AVX2 digit kernel's bit for bit (a test holds them to it).
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use super::panel_digits_avx2::{ActivationDigits, DIGITS};
+#[cfg(target_arch = "x86_64")]
+use super::panel_gemv::prefetch_ahead;
+use super::panels::{Kind, Panels, Q4_BLOCK, SCALES};
+use super::{has_avx512bw, PANEL};
+
+/// Whether the VNNI digit kernel runs here: the AVX-512BW one does ([`has_avx512bw`]) and
+/// `vpdpbusd` is present (detected once); `RIVULET_KERNELS_NO_VNNI=1` keeps to the BW kernel (to
+/// compare them).
+pub fn has_avx512_vnni() -> bool {
+    use std::sync::OnceLock;
+    static DETECTED: OnceLock<bool> = OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        if std::env::var_os("RIVULET_KERNELS_NO_VNNI").is_some() {
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            has_avx512bw() && is_x86_feature_detected!("avx512vnni")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+/// Groups of four columns per half block (pairs `2g` and `2g + 1` of the panel's column pairs).
+const GROUPS: usize = 4;
+
+impl Panels {
+    /// `out[r] = Σ_k x[k] · w[panel · PANEL + r][k]` for `r < 2 · PANEL`: panels `panel` and
+    /// `panel + 1` (rows `0..PANEL` of `out`, then `PANEL..2 · PANEL`), with `x` given as its
+    /// digits and `sums` its [`super::block_sums`]; 4-bit panels only.
+    pub fn product_digits_pair_vnni(&self, panel: usize, x: &ActivationDigits, sums: &[f32], out: &mut [f32]) {
+        assert!(has_avx512_vnni() && self.kind() == Kind::Q4);
+        let blocks = self.blocks_per_row();
+        assert_eq!(x.blocks(), blocks);
+        assert!(x.quads.len() == blocks * DIGITS && sums.len() >= blocks);
+        assert!(out.len() >= 2 * PANEL);
+        let (first, second) = (self.blocks(panel, 0..blocks), self.blocks(panel + 1, 0..blocks));
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F, BW and VNNI present (`has_avx512_vnni`); `first` and `second` hold
+        // the two panels' `blocks` Q4 blocks, `x` `blocks` blocks of digits and scales, `sums`
+        // `blocks` sums and `out` `2 · PANEL` values (asserted).
+        unsafe {
+            q4_digits_pair_vnni(
+                [first.as_ptr(), second.as_ptr()],
+                blocks,
+                x.quads.as_ptr().cast(),
+                x.scales.as_ptr().cast(),
+                sums.as_ptr(),
+                out.as_mut_ptr(),
+            );
+        }
+    }
+}
+
+/// The 16 rows of each of two 4-bit panels times one row's digits (see the module docs).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
+unsafe fn q4_digits_pair_vnni(
+    panels: [*const u8; 2],
+    blocks: usize,
+    digits: *const u8,
+    scales: *const f32,
+    sums: *const f32,
+    out: *mut f32,
+) {
+    // SAFETY (whole body): each of `panels` holds `blocks` Q4 panel blocks, `digits`
+    // `blocks · DIGITS` 32-byte lines of digits in order, `scales` `2 · blocks` and `sums`
+    // `blocks` values, `out` `2 · PANEL` (caller).
+    unsafe {
+        let low_nibbles = _mm512_set1_epi8(0x0F);
+        // Rows 0..16 of a panel from the `lo` and `hi` sums (see the module's layout), as in
+        // the BW kernel.
+        let order = [
+            _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
+            _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31),
+        ];
+        let mut totals = [_mm512_setzero_ps(); 2];
+        for block in 0..blocks {
+            let bases = panels.map(|panel| panel.add(block * Q4_BLOCK));
+            for base in bases {
+                prefetch_ahead(base, Q4_BLOCK);
+            }
+            let nibbles = bases.map(|base| base.add(2 * SCALES));
+            let lines = digits.add(block * DIGITS * 32).cast::<i32>();
+            // Per digit, per `lo`/`hi` rows, per low/high nibbles: 32-bit sums (separate chains,
+            // so that `vpdpbusd`'s latency stays hidden).
+            let mut sums32 = [[[_mm512_setzero_si512(); 2]; 2]; DIGITS];
+            for group in 0..GROUPS {
+                // Both panels' column pairs `2g` and `2g + 1`.
+                let pair = |p: usize| {
+                    let low = _mm256_loadu_si256(nibbles[0].add(32 * p).cast());
+                    let high = _mm256_loadu_si256(nibbles[1].add(32 * p).cast());
+                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low), high)
+                };
+                let (even, odd) = (pair(2 * group), pair(2 * group + 1));
+                let low = [_mm512_and_si512(even, low_nibbles), _mm512_and_si512(odd, low_nibbles)];
+                let high = [
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(even), low_nibbles),
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(odd), low_nibbles),
+                ];
+                // `[nibbles][rows]`: 32-bit word = one row's four values.
+                let quads = [
+                    [_mm512_unpacklo_epi16(low[0], low[1]), _mm512_unpackhi_epi16(low[0], low[1])],
+                    [_mm512_unpacklo_epi16(high[0], high[1]), _mm512_unpackhi_epi16(high[0], high[1])],
+                ];
+                for (digit, sums) in sums32.iter_mut().enumerate() {
+                    let line = lines.add(8 * digit);
+                    for (nibbles, weights) in quads.iter().enumerate() {
+                        // Digits `4g..4g + 4`, or `4g + 16..4g + 20` for the high nibbles.
+                        let x = _mm512_set1_epi32(*line.add(group + GROUPS * nibbles));
+                        for (rows, sums) in sums.iter_mut().enumerate() {
+                            sums[nibbles] = _mm512_dpbusd_epi32(sums[nibbles], weights[rows], x);
+                        }
+                    }
+                }
+            }
+            // (Plain loops: an `array::map` here was not inlined into this `target_feature`
+            // function, and its call spilled every sum to the stack.)
+            let mut digit_sums = [[_mm512_setzero_si512(); 2]; DIGITS];
+            for (joined, sums) in digit_sums.iter_mut().zip(sums32) {
+                for (joined, [low, high]) in joined.iter_mut().zip(sums) {
+                    *joined = _mm512_add_epi32(low, high);
+                }
+            }
+            let [first, second, third] = digit_sums;
+            let s1 = _mm512_set1_ps(*scales.add(2 * block));
+            let s2 = _mm512_set1_ps(*scales.add(2 * block + 1));
+            let block_sum = _mm512_set1_ps(*sums.add(block));
+            let dots: [__m512; 2] = std::array::from_fn(|rows| {
+                let leading = _mm512_add_epi32(_mm512_slli_epi32::<8>(first[rows]), second[rows]);
+                _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(third[rows]),
+                    s2,
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(leading), s1),
+                )
+            });
+            for ((total, base), order) in totals.iter_mut().zip(bases).zip(order) {
+                let dot = _mm512_permutex2var_ps(dots[0], order, dots[1]);
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(base.cast()));
+                let offset = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(SCALES).cast()));
+                *total = _mm512_fmadd_ps(d, dot, _mm512_fmadd_ps(offset, block_sum, *total));
+            }
+        }
+        _mm512_storeu_ps(out, totals[0]);
+        _mm512_storeu_ps(out.add(PANEL), totals[1]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::panel_digits_avx2::fixtures;
+    use super::*;
+
+    /// Each panel pair's products equal the AVX2 digit kernel's bit for bit (which its own tests
+    /// hold to GGUF's dequantization times the row in f64).
+    #[test]
+    fn pairs_match_the_avx2_kernel_bit_for_bit() {
+        if !has_avx512_vnni() {
+            return;
+        }
+        let (rows, blocks) = (4 * PANEL, 5);
+        let (panels, _) = fixtures::q4_1_panels(rows, blocks);
+        let cols = blocks * 32;
+        for (_, x) in fixtures::activation_rows(cols) {
+            let digits = ActivationDigits::new(&x).expect("finite");
+            let sums = crate::simd::block_sums(&x, cols, 1, cols);
+            for panel in [0, 1, 2] {
+                let mut pair = [0f32; 2 * PANEL];
+                panels.product_digits_pair_vnni(panel, &digits, &sums, &mut pair);
+                for (half, got) in pair.chunks_exact(PANEL).enumerate() {
+                    let mut one = [0f32; PANEL];
+                    panels.product_digits_avx2(panel + half, &digits, &sums, &mut one);
+                    assert_eq!(
+                        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        one.map(f32::to_bits),
+                        "panel {}",
+                        panel + half
+                    );
+                }
+            }
+        }
+    }
+}
