@@ -6,11 +6,15 @@
 //!
 //! Why: the AVX-512BW kernel ([`super::panel_digits_avx512`]) spends two instructions per
 //! multiply (`vpmaddubsw`, then a 16-bit add) and joins its 16-bit sums into 32-bit ones per
-//! block; a one-token step on a Xeon with it still ran its 4-bit projections at ~60% of the
-//! memory's speed, bound by instructions. `vpdpbusd` accumulates straight into 32-bit sums, and
-//! takes its digits as a broadcast memory operand, so a block of two panels costs ~150
-//! instructions instead of ~230.
-//!
+//! block. `vpdpbusd` accumulates straight into 32-bit sums, so a block of two panels costs ~150
+//! instructions instead of ~230; and this kernel fetches its weights into L2 far ahead
+//! ([`super::panel_gemv::prefetch_to_l2_ahead`]), which a step bound by memory needs more.
+//! Measured on a Xeon (Emerald Rapids, 2 threads): one layer's projections kept in cache
+//! (`PROJECTIONS_DISTINCT=1 cargo bench -p rivulet-kernels --bench projections -- 1 1 Q4_1`,
+//! one thread, alternating with `RIVULET_KERNELS_NO_VNNI=1`) 3.01–3.78 ms per step against
+//! 3.90–5.07; a one-token step (`rivulet-worker-bench`, batch 1 at context 256, four alternating
+//! runs) 6.41–7.15 ms against 7.92–8.42, its 4-bit projections 3.4–3.9 ms against 4.8–5.1.
+
 //! Layout: the panels keep their one layout ([`super::panels`]): 16-bit word `r` of a 32-byte
 //! column pair `p` holds row `r`'s values `(2p, 2p + 1)` once the nibbles are masked apart.
 //! Interleaving the words of pairs `2g` and `2g + 1` (`vpunpcklwd`/`vpunpckhwd`) makes each
@@ -29,7 +33,7 @@ use std::arch::x86_64::*;
 
 use super::panel_digits_avx2::{ActivationDigits, DIGITS};
 #[cfg(target_arch = "x86_64")]
-use super::panel_gemv::prefetch_ahead;
+use super::panel_gemv::prefetch_to_l2_ahead;
 use super::panels::{Kind, Panels, Q4_BLOCK, SCALES};
 use super::{has_avx512bw, PANEL};
 
@@ -111,7 +115,7 @@ unsafe fn q4_digits_pair_vnni(
         for block in 0..blocks {
             let bases = panels.map(|panel| panel.add(block * Q4_BLOCK));
             for base in bases {
-                prefetch_ahead(base, Q4_BLOCK);
+                prefetch_to_l2_ahead(base, Q4_BLOCK);
             }
             let nibbles = bases.map(|base| base.add(2 * SCALES));
             let lines = digits.add(block * DIGITS * 32).cast::<i32>();
@@ -133,8 +137,14 @@ unsafe fn q4_digits_pair_vnni(
                 ];
                 // `[nibbles][rows]`: 32-bit word = one row's four values.
                 let quads = [
-                    [_mm512_unpacklo_epi16(low[0], low[1]), _mm512_unpackhi_epi16(low[0], low[1])],
-                    [_mm512_unpacklo_epi16(high[0], high[1]), _mm512_unpackhi_epi16(high[0], high[1])],
+                    [
+                        _mm512_unpacklo_epi16(low[0], low[1]),
+                        _mm512_unpackhi_epi16(low[0], low[1]),
+                    ],
+                    [
+                        _mm512_unpacklo_epi16(high[0], high[1]),
+                        _mm512_unpackhi_epi16(high[0], high[1]),
+                    ],
                 ];
                 for (digit, sums) in sums32.iter_mut().enumerate() {
                     let line = lines.add(8 * digit);
