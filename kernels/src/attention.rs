@@ -214,11 +214,13 @@ fn attention_in_parts(
                 )
             });
         });
-    // Merge each pair's parts: rescale to the largest maximum, add, divide by the total.
+    // Merge each pair's parts: rescale to the largest maximum, add, divide by the total. Here on
+    // the calling thread: pairs are split only when there are fewer than the tasks wanted, and
+    // their merge (a few hundred multiply-adds each) costs less than waking another thread.
     let parts_of_unit =
         |unit: usize| parts.partition_point(|p| p.unit < unit)..parts.partition_point(|p| p.unit <= unit);
     out[..units * group_width]
-        .par_chunks_mut(group_width)
+        .chunks_mut(group_width)
         .enumerate()
         .for_each(|(unit, out_group)| {
             let range = parts_of_unit(unit);
