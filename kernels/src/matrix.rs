@@ -318,6 +318,7 @@ impl WeightMatrix {
             }
             _ => None,
         };
+        let pair_kernel = simd::DigitPairKernel::detect();
         // Whole pairs of panels per task where the AVX-512 digit kernel takes two at once,
         // and whole groups of panels where the AMX path takes several at once.
         let per_task = match (path, &digits) {
@@ -366,15 +367,9 @@ impl WeightMatrix {
                         let mut panel = first;
                         while panel < last {
                             let rows = (2 * simd::PANEL).min(last - panel);
-                            if rows > simd::PANEL && simd::has_avx512_vnni() {
-                                panels.product_digits_pair_vnni(
-                                    panel / simd::PANEL,
-                                    digits,
-                                    &block_sums,
-                                    &mut scratch.sums,
-                                );
-                            } else if rows > simd::PANEL {
-                                panels.product_digits_pair_avx512(
+                            if let (true, Some(kernel)) = (rows > simd::PANEL, pair_kernel) {
+                                panels.product_digits_pair(
+                                    kernel,
                                     panel / simd::PANEL,
                                     digits,
                                     &block_sums,

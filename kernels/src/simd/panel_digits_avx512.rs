@@ -21,6 +21,9 @@
 use std::arch::x86_64::*;
 
 use super::panel_digits_avx2::{ActivationDigits, DIGITS, PAIRS};
+use super::panel_digits_vnni::has_avx512_vnni;
+#[cfg(target_arch = "x86_64")]
+use super::panel_digits_vnni::q4_digits_pair_vnni;
 #[cfg(target_arch = "x86_64")]
 use super::panel_gemv::prefetch_ahead;
 use super::panels::{Kind, Panels, Q4_BLOCK, SCALES};
@@ -43,30 +46,64 @@ pub fn has_avx512bw() -> bool {
     })
 }
 
+/// Which kernel multiplies a pair of 4-bit panels by a row's digits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DigitPairKernel {
+    /// `vpmaddubsw` and 16-bit sums (this module; AVX-512BW).
+    Bw,
+    /// `vpdpbusd` and 32-bit sums ([`super::panel_digits_vnni`]; AVX-512 VNNI).
+    Vnni,
+}
+
+impl DigitPairKernel {
+    /// The faster one this CPU runs, `None` without AVX-512BW.
+    pub fn detect() -> Option<Self> {
+        if has_avx512_vnni() {
+            Some(Self::Vnni)
+        } else {
+            has_avx512bw().then_some(Self::Bw)
+        }
+    }
+}
+
 impl Panels {
     /// `out[r] = Σ_k x[k] · w[panel · PANEL + r][k]` for `r < 2 · PANEL`: panels `panel` and
     /// `panel + 1` (rows `0..PANEL` of `out`, then `PANEL..2 · PANEL`), with `x` given as its
-    /// digits and `sums` its [`super::block_sums`]; 4-bit panels only.
-    pub fn product_digits_pair_avx512(&self, panel: usize, x: &ActivationDigits, sums: &[f32], out: &mut [f32]) {
-        assert!(has_avx512bw() && self.kind() == Kind::Q4);
+    /// digits and `sums` its [`super::block_sums`], on `kernel`; 4-bit panels only.
+    pub fn product_digits_pair(
+        &self,
+        kernel: DigitPairKernel,
+        panel: usize,
+        x: &ActivationDigits,
+        sums: &[f32],
+        out: &mut [f32],
+    ) {
+        let present = match kernel {
+            DigitPairKernel::Bw => has_avx512bw(),
+            DigitPairKernel::Vnni => has_avx512_vnni(),
+        };
+        assert!(present && self.kind() == Kind::Q4);
         let blocks = self.blocks_per_row();
         assert_eq!(x.blocks(), blocks);
-        assert!(x.pairs.len() == blocks * DIGITS && sums.len() >= blocks);
+        assert!(x.pairs.len() == blocks * DIGITS && x.quads.len() == blocks * DIGITS && sums.len() >= blocks);
         assert!(out.len() >= 2 * PANEL);
-        let (first, second) = (self.blocks(panel, 0..blocks), self.blocks(panel + 1, 0..blocks));
+        let panels = [
+            self.blocks(panel, 0..blocks).as_ptr(),
+            self.blocks(panel + 1, 0..blocks).as_ptr(),
+        ];
+        let (scales, sums, out) = (x.scales.as_ptr().cast(), sums.as_ptr(), out.as_mut_ptr());
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX-512F and BW present (`has_avx512bw`); `first` and `second` hold the two
-        // panels' `blocks` Q4 blocks, `x` `blocks` blocks of digit pairs and scales, `sums`
-        // `blocks` sums and `out` `2 · PANEL` values (asserted).
+        // SAFETY: the kernel's features are present (checked above: `has_avx512bw`, and for
+        // VNNI `has_avx512_vnni`); `panels` hold the two panels' `blocks` Q4 blocks, `x` `blocks`
+        // blocks of digits (as pairs and in order) and scales, `sums` `blocks` sums and `out`
+        // `2 · PANEL` values (asserted).
         unsafe {
-            q4_digits_pair(
-                [first.as_ptr(), second.as_ptr()],
-                blocks,
-                x.pairs.as_ptr().cast(),
-                x.scales.as_ptr().cast(),
-                sums.as_ptr(),
-                out.as_mut_ptr(),
-            );
+            match kernel {
+                DigitPairKernel::Bw => q4_digits_pair(panels, blocks, x.pairs.as_ptr().cast(), scales, sums, out),
+                DigitPairKernel::Vnni => {
+                    q4_digits_pair_vnni(panels, blocks, x.quads.as_ptr().cast(), scales, sums, out)
+                }
+            }
         }
     }
 }
@@ -176,7 +213,7 @@ mod tests {
             let sums = crate::simd::block_sums(&x, cols, 1, cols);
             for panel in [0, 1, 2] {
                 let mut pair = [0f32; 2 * PANEL];
-                panels.product_digits_pair_avx512(panel, &digits, &sums, &mut pair);
+                panels.product_digits_pair(DigitPairKernel::Bw, panel, &digits, &sums, &mut pair);
                 for (half, got) in pair.chunks_exact(PANEL).enumerate() {
                     let mut one = [0f32; PANEL];
                     panels.product_digits_avx2(panel + half, &digits, &sums, &mut one);

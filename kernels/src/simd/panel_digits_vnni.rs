@@ -31,11 +31,13 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::panel_digits_avx2::{ActivationDigits, DIGITS};
+use super::has_avx512bw;
+use super::panel_digits_avx2::DIGITS;
 #[cfg(target_arch = "x86_64")]
 use super::panel_gemv::prefetch_to_l2_ahead;
-use super::panels::{Kind, Panels, Q4_BLOCK, SCALES};
-use super::{has_avx512bw, PANEL};
+use super::panels::{Q4_BLOCK, SCALES};
+#[cfg(target_arch = "x86_64")]
+use super::PANEL;
 
 /// Whether the VNNI digit kernel runs here: the AVX-512BW one does ([`has_avx512bw`]) and
 /// `vpdpbusd` is present (detected once); `RIVULET_KERNELS_NO_VNNI=1` keeps to the BW kernel (to
@@ -61,38 +63,11 @@ pub fn has_avx512_vnni() -> bool {
 /// Groups of four columns per half block (pairs `2g` and `2g + 1` of the panel's column pairs).
 const GROUPS: usize = 4;
 
-impl Panels {
-    /// `out[r] = Σ_k x[k] · w[panel · PANEL + r][k]` for `r < 2 · PANEL`: panels `panel` and
-    /// `panel + 1` (rows `0..PANEL` of `out`, then `PANEL..2 · PANEL`), with `x` given as its
-    /// digits and `sums` its [`super::block_sums`]; 4-bit panels only.
-    pub fn product_digits_pair_vnni(&self, panel: usize, x: &ActivationDigits, sums: &[f32], out: &mut [f32]) {
-        assert!(has_avx512_vnni() && self.kind() == Kind::Q4);
-        let blocks = self.blocks_per_row();
-        assert_eq!(x.blocks(), blocks);
-        assert!(x.quads.len() == blocks * DIGITS && sums.len() >= blocks);
-        assert!(out.len() >= 2 * PANEL);
-        let (first, second) = (self.blocks(panel, 0..blocks), self.blocks(panel + 1, 0..blocks));
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: AVX-512F, BW and VNNI present (`has_avx512_vnni`); `first` and `second` hold
-        // the two panels' `blocks` Q4 blocks, `x` `blocks` blocks of digits and scales, `sums`
-        // `blocks` sums and `out` `2 · PANEL` values (asserted).
-        unsafe {
-            q4_digits_pair_vnni(
-                [first.as_ptr(), second.as_ptr()],
-                blocks,
-                x.quads.as_ptr().cast(),
-                x.scales.as_ptr().cast(),
-                sums.as_ptr(),
-                out.as_mut_ptr(),
-            );
-        }
-    }
-}
-
-/// The 16 rows of each of two 4-bit panels times one row's digits (see the module docs).
+/// The 16 rows of each of two 4-bit panels times one row's digits (see the module docs), called
+/// through [`Panels::product_digits_pair`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-unsafe fn q4_digits_pair_vnni(
+pub(super) unsafe fn q4_digits_pair_vnni(
     panels: [*const u8; 2],
     blocks: usize,
     digits: *const u8,
@@ -191,7 +166,9 @@ unsafe fn q4_digits_pair_vnni(
 
 #[cfg(test)]
 mod tests {
-    use super::super::panel_digits_avx2::fixtures;
+    use super::super::panel_digits_avx2::{fixtures, ActivationDigits};
+    use super::super::panel_digits_avx512::DigitPairKernel;
+    use super::super::PANEL;
     use super::*;
 
     /// Each panel pair's products equal the AVX2 digit kernel's bit for bit (which its own tests
@@ -209,7 +186,7 @@ mod tests {
             let sums = crate::simd::block_sums(&x, cols, 1, cols);
             for panel in [0, 1, 2] {
                 let mut pair = [0f32; 2 * PANEL];
-                panels.product_digits_pair_vnni(panel, &digits, &sums, &mut pair);
+                panels.product_digits_pair(DigitPairKernel::Vnni, panel, &digits, &sums, &mut pair);
                 for (half, got) in pair.chunks_exact(PANEL).enumerate() {
                     let mut one = [0f32; PANEL];
                     panels.product_digits_avx2(panel + half, &digits, &sums, &mut one);

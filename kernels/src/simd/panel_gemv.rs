@@ -157,10 +157,16 @@ const PREFETCH_BLOCKS: usize = 4;
 /// only: it never faults, so it may point past the panel.
 #[cfg(target_arch = "x86_64")]
 pub(super) fn prefetch_ahead(base: *const u8, block_bytes: usize) {
-    let ahead = base.wrapping_add(PREFETCH_BLOCKS * block_bytes);
+    prefetch_block::<_MM_HINT_T0>(base.wrapping_add(PREFETCH_BLOCKS * block_bytes), block_bytes);
+}
+
+/// Asks for the `block_bytes` at `block` with the prefetch hint `HINT`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_block<const HINT: i32>(block: *const u8, block_bytes: usize) {
     for line in 0..block_bytes.div_ceil(64) {
         // SAFETY: a prefetch reads nothing architecturally and never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast()) };
+        unsafe { _mm_prefetch::<HINT>(block.wrapping_add(64 * line).cast()) };
     }
 }
 
@@ -181,11 +187,7 @@ const L2_PREFETCH_BLOCKS: usize = 32;
 /// would crowd the cache, so only the AVX-512 VNNI kernel uses it.
 #[cfg(target_arch = "x86_64")]
 pub(super) fn prefetch_to_l2_ahead(base: *const u8, block_bytes: usize) {
-    let ahead = base.wrapping_add(L2_PREFETCH_BLOCKS * block_bytes);
-    for line in 0..block_bytes.div_ceil(64) {
-        // SAFETY: a prefetch reads nothing architecturally and never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * line).cast()) };
-    }
+    prefetch_block::<_MM_HINT_T1>(base.wrapping_add(L2_PREFETCH_BLOCKS * block_bytes), block_bytes);
 }
 
 /// The sum of a row's `C` partial accumulators.
