@@ -198,13 +198,24 @@ mod tests {
     use super::super::panel_digits_avx2::fixtures;
     use super::*;
 
-    /// Each panel pair's products equal the AVX2 digit kernel's bit for bit, and GGUF's scalar
-    /// dequantization times the row in f64 to the f32 kernels' tolerance.
+    /// Each panel pair's products, on each pair kernel this CPU has (BW, VNNI), equal the AVX2
+    /// digit kernel's bit for bit, and GGUF's scalar dequantization times the row in f64 to the
+    /// f32 kernels' tolerance.
     #[test]
     fn pairs_match_the_avx2_kernel_and_dequantize_then_f64() {
-        if !has_avx512bw() {
-            return;
+        let kernels = [
+            (DigitPairKernel::Bw, has_avx512bw()),
+            (DigitPairKernel::Vnni, has_avx512_vnni()),
+        ];
+        for kernel in kernels
+            .into_iter()
+            .filter_map(|(kernel, present)| present.then_some(kernel))
+        {
+            pairs_match(kernel);
         }
+    }
+
+    fn pairs_match(kernel: DigitPairKernel) {
         let (rows, blocks) = (4 * PANEL, 5);
         let (panels, dense) = fixtures::q4_1_panels(rows, blocks);
         let cols = blocks * 32;
@@ -213,13 +224,15 @@ mod tests {
             let sums = crate::simd::block_sums(&x, cols, 1, cols);
             for panel in [0, 1, 2] {
                 let mut pair = [0f32; 2 * PANEL];
-                panels.product_digits_pair(DigitPairKernel::Bw, panel, &digits, &sums, &mut pair);
+                panels.product_digits_pair(kernel, panel, &digits, &sums, &mut pair);
                 for (half, got) in pair.chunks_exact(PANEL).enumerate() {
                     let mut one = [0f32; PANEL];
                     panels.product_digits_avx2(panel + half, &digits, &sums, &mut one);
                     assert_eq!(
                         got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                        one.map(f32::to_bits)
+                        one.map(f32::to_bits),
+                        "{kernel:?}, panel {}",
+                        panel + half
                     );
                     for (r, &value) in got.iter().enumerate() {
                         let row = (panel + half) * PANEL + r;
@@ -229,7 +242,7 @@ mod tests {
                         let tolerance = 2e-6 * magnitude + 1e-8 * f64::from(scale);
                         assert!(
                             (f64::from(value) - exact).abs() <= tolerance,
-                            "panel {} row {r}: {value} against {exact}",
+                            "{kernel:?}, panel {} row {r}: {value} against {exact}",
                             panel + half
                         );
                     }

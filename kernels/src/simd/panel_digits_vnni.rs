@@ -26,7 +26,8 @@
 //!
 //! The 32-bit sums are the BW kernel's (`Σ q·D` per digit, the leading two joined as
 //! `256·ΣqD0 + ΣqD1`, exact below 2²⁴), and the scaling is the same arithmetic in the same
-//! order, so the results equal the AVX2 digit kernel's bit for bit (a test holds them to it).
+//! order, so the results equal the AVX2 digit kernel's bit for bit (a test in
+//! [`super::panel_digits_avx512`] holds both pair kernels to it).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -161,43 +162,5 @@ pub(super) unsafe fn q4_digits_pair_vnni(
         }
         _mm512_storeu_ps(out, totals[0]);
         _mm512_storeu_ps(out.add(PANEL), totals[1]);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::super::panel_digits_avx2::{fixtures, ActivationDigits};
-    use super::super::panel_digits_avx512::DigitPairKernel;
-    use super::super::PANEL;
-    use super::*;
-
-    /// Each panel pair's products equal the AVX2 digit kernel's bit for bit (which its own tests
-    /// hold to GGUF's dequantization times the row in f64).
-    #[test]
-    fn pairs_match_the_avx2_kernel_bit_for_bit() {
-        if !has_avx512_vnni() {
-            return;
-        }
-        let (rows, blocks) = (4 * PANEL, 5);
-        let (panels, _) = fixtures::q4_1_panels(rows, blocks);
-        let cols = blocks * 32;
-        for (_, x) in fixtures::activation_rows(cols) {
-            let digits = ActivationDigits::new(&x).expect("finite");
-            let sums = crate::simd::block_sums(&x, cols, 1, cols);
-            for panel in [0, 1, 2] {
-                let mut pair = [0f32; 2 * PANEL];
-                panels.product_digits_pair(DigitPairKernel::Vnni, panel, &digits, &sums, &mut pair);
-                for (half, got) in pair.chunks_exact(PANEL).enumerate() {
-                    let mut one = [0f32; PANEL];
-                    panels.product_digits_avx2(panel + half, &digits, &sums, &mut one);
-                    assert_eq!(
-                        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                        one.map(f32::to_bits),
-                        "panel {}",
-                        panel + half
-                    );
-                }
-            }
-        }
     }
 }
