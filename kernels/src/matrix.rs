@@ -316,6 +316,10 @@ impl WeightMatrix {
             {
                 simd::ActivationDigits::new(&x[..self.cols])
             }
+            // Q8_0 too where `vpdpbusd` and `vpermb` exist (`simd::panel_digits_vnni`).
+            Path::PanelGemv if batch == 1 && simd::digits_enabled() && simd::has_avx512_vnni_vbmi() => {
+                simd::ActivationDigits::new(&x[..self.cols])
+            }
             _ => None,
         };
         let pair_kernel = simd::DigitPairKernel::detect();
@@ -360,7 +364,15 @@ impl WeightMatrix {
                 }
                 Path::PanelGemv => SCRATCH.with_borrow_mut(|scratch| {
                     // `PanelGemv` is chosen only where panels exist.
-                    if let (Some(panels), Some(digits)) = (&self.panels, &digits) {
+                    if let (Some(panels), Some(digits), GgmlType::Q8_0) = (&self.panels, &digits, self.format) {
+                        // One row's digits against Q8_0 panels, two panels a pass.
+                        scratch.sums.resize(2 * simd::PANEL, 0.0);
+                        for panel in (first..last).step_by(2 * simd::PANEL) {
+                            let rows = (2 * simd::PANEL).min(last - panel);
+                            panels.product_digits_q8_vnni(panel / simd::PANEL, digits, &mut scratch.sums);
+                            output.store_rows(0..1, first_column + panel, rows, &scratch.sums, 2 * simd::PANEL);
+                        }
+                    } else if let (Some(panels), Some(digits)) = (&self.panels, &digits) {
                         // One row's digits against 4-bit panels, two panels a pass (the last of
                         // an odd count on the AVX2 digit kernel).
                         scratch.sums.resize(2 * simd::PANEL, 0.0);

@@ -7,7 +7,8 @@
 //! Invariants, checked where each function is entered from safe code:
 //! - Every `#[target_feature]` function is called only after [`has_avx2`] (for `avx512f`
 //!   functions, [`has_avx512`]; for `avx512bw` ones, [`has_avx512bw`] or [`has_amx`]; for
-//!   `avx512vnni` ones, [`panel_digits_vnni::has_avx512_vnni`]) returned true (the safe wrappers check it), so the
+//!   `avx512vnni` ones, [`panel_digits_vnni::has_avx512_vnni`], and with `avx512vbmi`
+//!   [`has_avx512_vnni_vbmi`]) returned true (the safe wrappers check it), so the
 //!   instructions exist on this CPU.
 //! - Every pointer read or written lies inside a slice whose length was checked against the
 //!   loop bounds before the loop (the `assert!`s at the top of each safe wrapper); loads and
@@ -44,6 +45,7 @@ pub use grouped_heads::{score_keys, weighted_rows};
 pub use packed_gemm::{gemm_panel_avx2, pack_panel_avx2};
 pub use panel_digits_avx2::ActivationDigits;
 pub use panel_digits_avx512::{has_avx512bw, DigitPairKernel};
+pub use panel_digits_vnni::has_avx512_vnni_vbmi;
 pub use panel_gemv::{block_sums, PANEL_GEMV_ROWS};
 pub use panels::Panels;
 pub use peak::fma_peak_gflops_on;

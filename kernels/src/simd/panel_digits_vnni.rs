@@ -33,10 +33,11 @@
 use std::arch::x86_64::*;
 
 use super::has_avx512bw;
+use super::panel_digits_avx2::ActivationDigits;
 use super::panel_digits_avx2::DIGITS;
 #[cfg(target_arch = "x86_64")]
 use super::panel_gemv::prefetch_to_l2_ahead;
-use super::panels::{Q4_BLOCK, SCALES};
+use super::panels::{Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
 #[cfg(target_arch = "x86_64")]
 use super::PANEL;
 
@@ -162,5 +163,172 @@ pub(super) unsafe fn q4_digits_pair_vnni(
         }
         _mm512_storeu_ps(out, totals[0]);
         _mm512_storeu_ps(out.add(PANEL), totals[1]);
+    }
+}
+
+/// Whether the Q8_0 VNNI digit kernel runs here: the 4-bit one does ([`has_avx512_vnni`]) and
+/// `vpermb` is present (AVX-512 VBMI; detected once).
+pub fn has_avx512_vnni_vbmi() -> bool {
+    use std::sync::OnceLock;
+    static DETECTED: OnceLock<bool> = OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            has_avx512_vnni() && is_x86_feature_detected!("avx512vbmi")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+impl Panels {
+    /// `out[r] = Σ_k x[k] · w[panel · PANEL + r][k]` for `r < 2 · PANEL`: panels `panel` and
+    /// `panel + 1`, or `panel` alone (`out`'s rows `0..PANEL`, the rest left as they were) where
+    /// it is the last; `x` given as its digits; Q8_0 panels only.
+    pub fn product_digits_q8_vnni(&self, panel: usize, x: &ActivationDigits, out: &mut [f32]) {
+        assert!(has_avx512_vnni_vbmi() && self.kind() == Kind::Q8);
+        let blocks = self.blocks_per_row();
+        assert_eq!(x.blocks(), blocks);
+        assert!(x.offset_quads.len() == blocks * DIGITS && x.scales.len() == blocks);
+        assert!(out.len() >= 2 * PANEL);
+        let first = self.blocks(panel, 0..blocks);
+        let second = if panel + 1 < self.panel_count() {
+            self.blocks(panel + 1, 0..blocks)
+        } else {
+            first
+        };
+        let mut sums = [0f32; 2 * PANEL];
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: AVX-512F, BW, VNNI and VBMI present (`has_avx512_vnni_vbmi`); `first` and
+        // `second` hold `blocks` Q8 blocks each, `x` `blocks` blocks of offset digits and scales,
+        // `sums` `2 · PANEL` values (asserted).
+        unsafe {
+            q8_digits_pair_vnni(
+                [first.as_ptr(), second.as_ptr()],
+                blocks,
+                x.offset_quads.as_ptr().cast(),
+                x.scales.as_ptr().cast(),
+                sums.as_mut_ptr(),
+            );
+        }
+        let rows = if std::ptr::eq(first, second) { PANEL } else { 2 * PANEL };
+        out[..rows].copy_from_slice(&sums[..rows]);
+    }
+}
+
+/// `vpermb`'s indices for [`q8_digits_pair_vnni`]: byte `4r + c` of a line's result from its
+/// byte `16c + r` (row `r`'s column `c` of four).
+const TO_ROWS: [u8; 64] = {
+    let mut indices = [0u8; 64];
+    let mut i = 0;
+    while i < 64 {
+        indices[i] = (16 * (i % 4) + i / 4) as u8;
+        i += 1;
+    }
+    indices
+};
+
+/// Two Q8_0 panels' 16 rows times one row's digits. A block's 64-byte line `j` holds columns
+/// `4j..4j + 4` of the 16 rows (16 bytes a column); `vpermb` turns it into 32-bit words of one
+/// row's four columns, which `vpdpbusd` multiplies by four digits. `vpdpbusd` takes one side
+/// unsigned: the digits go in offset by 128 (`D + 128`, in `1..=255`), and `128 · Σq` (summed by
+/// one more `vpdpbusd` against ones) comes off again, so every sum stays exact. The three digit
+/// sums are joined in f32, smallest first (`256·ΣqD0` can pass 2²⁴ with 8-bit weights).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,f16c")]
+unsafe fn q8_digits_pair_vnni(
+    panels: [*const u8; 2],
+    blocks: usize,
+    digits: *const u8,
+    scales: *const f32,
+    out: *mut f32,
+) {
+    // SAFETY (whole body): each of `panels` holds `blocks` Q8 panel blocks, `digits`
+    // `blocks · DIGITS` 32-byte lines of offset digits in order, `scales` `2 · blocks` values,
+    // `out` `2 · PANEL` (caller).
+    unsafe {
+        let to_rows = _mm512_loadu_si512(TO_ROWS.as_ptr().cast());
+        let ones = _mm512_set1_epi8(1);
+        let mut totals = [_mm512_setzero_ps(); 2];
+        for block in 0..blocks {
+            let lines = digits.add(block * DIGITS * 32).cast::<i32>();
+            let bases = [panels[0].add(block * Q8_BLOCK), panels[1].add(block * Q8_BLOCK)];
+            for base in bases {
+                prefetch_to_l2_ahead(base, Q8_BLOCK);
+            }
+            // Per panel: the three digit sums, then the weights' sum.
+            let mut sums = [[_mm512_setzero_si512(); 4]; 2];
+            for j in 0..8 {
+                let x0 = _mm512_set1_epi32(*lines.add(j));
+                let x1 = _mm512_set1_epi32(*lines.add(8 + j));
+                let x2 = _mm512_set1_epi32(*lines.add(16 + j));
+                for p in 0..2 {
+                    let line = _mm512_loadu_si512(bases[p].add(SCALES + 64 * j).cast());
+                    let w = _mm512_permutexvar_epi8(to_rows, line);
+                    sums[p][0] = _mm512_dpbusd_epi32(sums[p][0], x0, w);
+                    sums[p][1] = _mm512_dpbusd_epi32(sums[p][1], x1, w);
+                    sums[p][2] = _mm512_dpbusd_epi32(sums[p][2], x2, w);
+                    sums[p][3] = _mm512_dpbusd_epi32(sums[p][3], ones, w);
+                }
+            }
+            let s1 = _mm512_set1_ps(*scales.add(2 * block));
+            let s2 = _mm512_set1_ps(*scales.add(2 * block + 1));
+            let s0 = _mm512_mul_ps(s1, _mm512_set1_ps(256.0));
+            for p in 0..2 {
+                let offsets = _mm512_slli_epi32::<7>(sums[p][3]);
+                let exact0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[p][0], offsets));
+                let exact1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[p][1], offsets));
+                let exact2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums[p][2], offsets));
+                let dot = _mm512_fmadd_ps(exact0, s0, _mm512_fmadd_ps(exact1, s1, _mm512_mul_ps(exact2, s2)));
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(bases[p].cast()));
+                totals[p] = _mm512_fmadd_ps(d, dot, totals[p]);
+            }
+        }
+        _mm512_storeu_ps(out, totals[0]);
+        _mm512_storeu_ps(out.add(PANEL), totals[1]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::panel_digits_avx2::fixtures;
+    use super::*;
+
+    /// Q8_0 panel pairs (and a last lone panel) against GGUF's scalar dequantization times the
+    /// row in f64, to the f32 kernels' tolerance.
+    #[test]
+    fn q8_panels_match_dequantize_then_f64() {
+        if !has_avx512_vnni_vbmi() {
+            return;
+        }
+        let (rows, blocks) = (3 * PANEL, 5);
+        let mut data = Vec::new();
+        for i in 0..rows * blocks {
+            data.extend(half::f16::from_f32(0.001 + 0.0003 * (i % 5) as f32).to_le_bytes());
+            // Every signed value, the extremes included.
+            data.extend((0..32).map(|k| ((i * 37 + k * 59) % 256) as u8));
+        }
+        let panels = Panels::new(rivulet_gguf::GgmlType::Q8_0, &data, rows, blocks, blocks * 34).expect("Q8_0 panels");
+        let mut dense = Vec::new();
+        rivulet_gguf::dequant::dequantize_append(rivulet_gguf::GgmlType::Q8_0, &data, &mut dense).expect("Q8_0");
+        let cols = blocks * 32;
+        for (_, x) in fixtures::activation_rows(cols) {
+            let digits = ActivationDigits::new(&x).expect("finite");
+            let mut got = [0f32; 4 * PANEL];
+            panels.product_digits_q8_vnni(0, &digits, &mut got);
+            panels.product_digits_q8_vnni(2, &digits, &mut got[2 * PANEL..]);
+            let scale = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (row, &value) in got[..rows].iter().enumerate() {
+                let terms = (0..cols).map(|k| f64::from(dense[row * cols + k]) * f64::from(x[k]));
+                let (exact, magnitude) = terms.fold((0.0, 0.0), |(e, m), t| (e + t, m + t.abs()));
+                let tolerance = 2e-6 * magnitude + 1e-8 * f64::from(scale);
+                assert!(
+                    (f64::from(value) - exact).abs() <= tolerance,
+                    "row {row}: {value} against {exact}"
+                );
+            }
+        }
     }
 }

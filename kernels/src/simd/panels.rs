@@ -141,6 +141,11 @@ impl Panels {
         self.blocks_per_row
     }
 
+    /// Panels (of [`PANEL`] rows, the last padded).
+    pub(super) fn panel_count(&self) -> usize {
+        self.bytes.len() / (self.blocks_per_row * self.block_bytes()).max(1)
+    }
+
     /// Row `row`'s blocks back in GGUF's layout (`format` is the one the panels were made from):
     /// the same bytes, so a decoder gives the same values as from the file.
     pub fn row_blocks(&self, format: GgmlType, row: usize) -> Vec<u8> {
