@@ -167,20 +167,16 @@ pub(super) unsafe fn q4_digits_pair_vnni(
 }
 
 /// Whether the Q8_0 VNNI digit kernel runs here: the 4-bit one does ([`has_avx512_vnni`]) and
-/// `vpermb` is present (AVX-512 VBMI; detected once).
+/// `vpermb` is present (AVX-512 VBMI; the standard library caches the CPU's answer).
 pub fn has_avx512_vnni_vbmi() -> bool {
-    use std::sync::OnceLock;
-    static DETECTED: OnceLock<bool> = OnceLock::new();
-    *DETECTED.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            has_avx512_vnni() && is_x86_feature_detected!("avx512vbmi")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
+    #[cfg(target_arch = "x86_64")]
+    {
+        has_avx512_vnni() && is_x86_feature_detected!("avx512vbmi")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 impl Panels {
