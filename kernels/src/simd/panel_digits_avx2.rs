@@ -42,6 +42,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use super::panel_digits_vnni::has_avx512_vnni;
 #[cfg(target_arch = "x86_64")]
 use super::panel_gemv::prefetch_ahead;
 use super::panels::{Kind, Panels, Q4_BLOCK, SCALES};
@@ -76,9 +77,10 @@ pub(super) struct DigitQuads([u8; 32]);
 pub struct ActivationDigits {
     /// `DIGITS` per block.
     pub(super) pairs: Vec<DigitPairs>,
-    /// The same digits in order, `DIGITS` per block.
+    /// The same digits in order, `DIGITS` per block; empty where no VNNI kernel reads them
+    /// ([`super::panel_digits_vnni::has_avx512_vnni`]).
     pub(super) quads: Vec<DigitQuads>,
-    /// And in order offset by 128 (`D + 128` as an unsigned byte), `DIGITS` per block.
+    /// And in order offset by 128 (`D + 128` as an unsigned byte), as `quads`.
     pub(super) offset_quads: Vec<DigitQuads>,
     /// Per block, `s1` and `s2`.
     pub(super) scales: Vec<[f32; 2]>,
@@ -92,10 +94,11 @@ impl ActivationDigits {
             return None;
         }
         let blocks = x.len() / 32;
+        let in_order = if has_avx512_vnni() { blocks * DIGITS } else { 0 };
         let mut digits = Self {
             pairs: vec![DigitPairs::default(); blocks * DIGITS],
-            quads: vec![DigitQuads::default(); blocks * DIGITS],
-            offset_quads: vec![DigitQuads([128; 32]); blocks * DIGITS],
+            quads: vec![DigitQuads::default(); in_order],
+            offset_quads: vec![DigitQuads([128; 32]); in_order],
             scales: vec![[0.0; 2]; blocks],
         };
         #[cfg(target_arch = "x86_64")]
@@ -117,16 +120,16 @@ impl ActivationDigits {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     fn fill(&mut self, x: &[f32]) -> bool {
-        for ((((block, pairs), quads), offset_quads), scales) in x
+        let in_order = !self.quads.is_empty();
+        for (index, ((block, pairs), scales)) in x
             .chunks_exact(32)
             .zip(self.pairs.chunks_exact_mut(DIGITS))
-            .zip(self.quads.chunks_exact_mut(DIGITS))
-            .zip(self.offset_quads.chunks_exact_mut(DIGITS))
             .zip(&mut self.scales)
+            .enumerate()
         {
             // SAFETY: AVX2 and FMA are enabled here; every load reads inside `block` (32 values)
             // and every store writes inside one of `pairs`' `DIGITS` 64-byte-aligned lines or
-            // `quads`' or `offset_quads`' `DIGITS` 32-byte-aligned ones.
+            // (indexed, so bounds-checked) one of `quads`' or `offset_quads`' 32-byte-aligned ones.
             unsafe {
                 let values: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(block.as_ptr().add(8 * i)));
                 if !all_finite(values) {
@@ -143,8 +146,7 @@ impl ActivationDigits {
                     continue;
                 }
                 let mut rest = values;
-                let lines = pairs.iter_mut().zip(quads.iter_mut()).zip(offset_quads.iter_mut());
-                for (((line, quads), offset_quads), scale) in lines.zip([s0, s1, s2]) {
+                for (digit, (line, scale)) in pairs.iter_mut().zip([s0, s1, s2]).enumerate() {
                     let (step, inverse) = (_mm256_set1_ps(scale), _mm256_set1_ps(1.0 / scale));
                     let digits: [__m256i; 4] = std::array::from_fn(|i| {
                         // Nearest, ties to even (MXCSR's default), held to ±127.
@@ -154,11 +156,14 @@ impl ActivationDigits {
                         d
                     });
                     let line: *mut __m256i = (line as *mut DigitPairs).cast();
-                    let in_order = digit_bytes(digits);
-                    _mm256_store_si256((quads as *mut DigitQuads).cast(), in_order);
-                    let offset = _mm256_xor_si256(in_order, _mm256_set1_epi8(-128));
-                    _mm256_store_si256((offset_quads as *mut DigitQuads).cast(), offset);
-                    let [first, second] = broadcast_pairs(in_order);
+                    let bytes = digit_bytes(digits);
+                    if in_order {
+                        let at = index * DIGITS + digit;
+                        _mm256_store_si256((&mut self.quads[at] as *mut DigitQuads).cast(), bytes);
+                        let offset = _mm256_xor_si256(bytes, _mm256_set1_epi8(-128));
+                        _mm256_store_si256((&mut self.offset_quads[at] as *mut DigitQuads).cast(), offset);
+                    }
+                    let [first, second] = broadcast_pairs(bytes);
                     _mm256_store_si256(line, first);
                     _mm256_store_si256(line.add(1), second);
                 }

@@ -78,14 +78,15 @@ impl Panels {
         sums: &[f32],
         out: &mut [f32],
     ) {
-        let present = match kernel {
-            DigitPairKernel::Bw => has_avx512bw(),
-            DigitPairKernel::Vnni => has_avx512_vnni(),
+        let blocks = self.blocks_per_row();
+        // The kernel's features, and the digit layout it reads.
+        let (present, digits) = match kernel {
+            DigitPairKernel::Bw => (has_avx512bw(), x.pairs.len()),
+            DigitPairKernel::Vnni => (has_avx512_vnni(), x.quads.len()),
         };
         assert!(present && self.kind() == Kind::Q4);
-        let blocks = self.blocks_per_row();
         assert_eq!(x.blocks(), blocks);
-        assert!(x.pairs.len() == blocks * DIGITS && x.quads.len() == blocks * DIGITS && sums.len() >= blocks);
+        assert!(digits == blocks * DIGITS && sums.len() >= blocks);
         assert!(out.len() >= 2 * PANEL);
         let panels = [
             self.blocks(panel, 0..blocks).as_ptr(),
@@ -94,9 +95,9 @@ impl Panels {
         let (scales, sums, out) = (x.scales.as_ptr().cast(), sums.as_ptr(), out.as_mut_ptr());
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the kernel's features are present (checked above: `has_avx512bw`, and for
-        // VNNI `has_avx512_vnni`); `panels` hold the two panels' `blocks` Q4 blocks, `x` `blocks`
-        // blocks of digits (as pairs and in order) and scales, `sums` `blocks` sums and `out`
-        // `2 · PANEL` values (asserted).
+        // VNNI `has_avx512_vnni`); `panels` hold the two panels' `blocks` Q4 blocks, `x`
+        // `blocks` blocks of digits (in the layout the kernel reads) and scales, `sums` `blocks`
+        // sums and `out` `2 · PANEL` values (asserted).
         unsafe {
             match kernel {
                 DigitPairKernel::Bw => q4_digits_pair(panels, blocks, x.pairs.as_ptr().cast(), scales, sums, out),

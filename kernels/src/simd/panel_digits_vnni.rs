@@ -14,7 +14,7 @@
 //! one thread, alternating with `RIVULET_KERNELS_NO_VNNI=1`) 3.01–3.78 ms per step against
 //! 3.90–5.07; a one-token step (`rivulet-worker-bench`, batch 1 at context 256, four alternating
 //! runs) 6.41–7.15 ms against 7.92–8.42, its 4-bit projections 3.4–3.9 ms against 4.8–5.1.
-
+//!
 //! Layout: the panels keep their one layout ([`super::panels`]): 16-bit word `r` of a 32-byte
 //! column pair `p` holds row `r`'s values `(2p, 2p + 1)` once the nibbles are masked apart.
 //! Interleaving the words of pairs `2g` and `2g + 1` (`vpunpcklwd`/`vpunpckhwd`) makes each
@@ -32,14 +32,11 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::has_avx512bw;
-use super::panel_digits_avx2::ActivationDigits;
-use super::panel_digits_avx2::DIGITS;
+use super::panel_digits_avx2::{ActivationDigits, DIGITS};
 #[cfg(target_arch = "x86_64")]
 use super::panel_gemv::prefetch_to_l2_ahead;
 use super::panels::{Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
-#[cfg(target_arch = "x86_64")]
-use super::PANEL;
+use super::{has_avx512bw, PANEL};
 
 /// Whether the VNNI digit kernel runs here: the AVX-512BW one does ([`has_avx512bw`]) and
 /// `vpdpbusd` is present (detected once); `RIVULET_KERNELS_NO_VNNI=1` keeps to the BW kernel (to
