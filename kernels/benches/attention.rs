@@ -8,13 +8,19 @@
 //! not Zen 4's 1 MB: `-- 1 2 256 1 200` there), which times the arithmetic, plus rayon's
 //! hand-off for each of the 100 calls (~30% of the thread's time in a profile on 2 vCPUs).
 //! Block tables are shuffled, as a serving cache hands blocks out; `ATTENTION_IN_ORDER=1` gives
-//! each sequence consecutive blocks instead.
+//! each sequence consecutive blocks instead. A second line times the same keys and values read
+//! in the same runs and order with nothing computed (each run's successor fetched into L2, as
+//! attention fetches its rows): the memory's ceiling for attention over a cache the caches do
+//! not hold, and attention's time as a share of it.
 
 use std::time::Instant;
+
+use rayon::prelude::*;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rivulet_kernels::attention::{paged_attention, AttentionShape, TokenKeys};
+use rivulet_kernels::prefetch_l2;
 
 fn arg(n: usize, default: usize) -> usize {
     std::env::args().nth(n).and_then(|a| a.parse().ok()).unwrap_or(default)
@@ -77,4 +83,61 @@ fn main() {
         bytes / 1e6
     );
     std::hint::black_box(&out);
+
+    // The same bytes read in the same order with nothing computed: what this machine's memory
+    // gives a read of scattered 4 KiB runs (a sequence's KV head in one block), the ceiling for
+    // attention over a cache that does not fit the caches.
+    let row = shape.block_size * shape.head_dim;
+    let mut times = Vec::new();
+    for _ in 0..15 {
+        let started = Instant::now();
+        for (k, v) in caches.iter().cycle().take(layers * repeats) {
+            let total: f32 = (0..batch * shape.kv_heads)
+                .into_par_iter()
+                .map(|unit| {
+                    let (token, kv_head) = (&tokens[unit / shape.kv_heads], unit % shape.kv_heads);
+                    // (offset, values) of each block's run: the last block's visible keys only.
+                    let runs: Vec<(usize, usize)> = token.block_table[..context.div_ceil(shape.block_size)]
+                        .iter()
+                        .enumerate()
+                        .map(|(index, &block)| {
+                            let keys = (context - index * shape.block_size).min(shape.block_size);
+                            ((block as usize * shape.kv_heads + kv_head) * row, keys * shape.head_dim)
+                        })
+                        .collect();
+                    read_runs(k, &runs) + read_runs(v, &runs)
+                })
+                .sum();
+            std::hint::black_box(total);
+        }
+        times.push(started.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    let plain = times[times.len() / 2];
+    println!(
+        "  the same bytes read in the same 4 KiB runs, nothing computed: {:.2} ms/step, {:.1} GB/s (attention at {:.0}% of it)",
+        plain * 1e3,
+        bytes / plain / 1e9,
+        100.0 * plain / median
+    );
+}
+
+/// The sum of `runs` (each `(offset, values)` of `cache`), the next run fetched ahead into L2
+/// as attention fetches its rows, in sixteen lanes that the compiler vectorizes.
+fn read_runs(cache: &[f32], runs: &[(usize, usize)]) -> f32 {
+    let mut lanes = [0f32; 16];
+    for (index, &(at, len)) in runs.iter().enumerate() {
+        if let Some(&(next, next_len)) = runs.get(index + 1) {
+            prefetch_l2(&cache[next..next + next_len]);
+        }
+        let run = &cache[at..at + len];
+        for chunk in run.chunks_exact(16) {
+            lanes.iter_mut().zip(chunk).for_each(|(l, x)| *l += x);
+        }
+        lanes
+            .iter_mut()
+            .zip(run.chunks_exact(16).remainder())
+            .for_each(|(l, x)| *l += x);
+    }
+    lanes.iter().sum()
 }

@@ -24,7 +24,7 @@ pub mod sampling;
 mod simd;
 
 pub use matrix::{Isa, WeightMatrix};
-pub use simd::{flush_subnormals_on_this_thread, fma_peak_gflops_on, has_avx2};
+pub use simd::{flush_subnormals_on_this_thread, fma_peak_gflops_on, has_avx2, prefetch_l2};
 
 use rivulet_gguf::GgmlType;
 
