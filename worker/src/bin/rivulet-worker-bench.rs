@@ -54,24 +54,71 @@ fn median_seconds(device: Device, runs: usize, mut f: impl FnMut()) -> f64 {
     times[times.len() / 2]
 }
 
-/// Matmul throughput in `kind` on `device` (1024³ on the CPU; 8192³ to fill a GPU).
-fn matmul_gflops(device: Device, kind: Kind) -> f64 {
-    let n = if device == Device::Cpu { 1024 } else { 8192 };
-    let a = Tensor::randn([n, n], (kind, device));
-    let b = Tensor::randn([n, n], (kind, device));
-    let seconds = median_seconds(device, 10, || {
-        let _ = a.matmul(&b);
-    });
-    2.0 * (n * n * n) as f64 / seconds / 1e9
+/// The machine's matmul rate in `kind` (1024³ on the CPU; 8192³ to fill a GPU) and memory read
+/// bandwidth (summing a 512 MiB tensor, far larger than any cache, streams it once), measured
+/// at the start and again just before and after every kind of step.
+///
+/// Why again: on the shared virtual machines this runs on, both rates swing by up to half from
+/// one minute to the next (a 2-vCPU Xeon's sgemm measured 149–294 GFLOP/s within an hour), so
+/// a step set against rates measured minutes before read 47% of its roofline in one run and
+/// 106% in the next. Each kind of step is set against the mean of the rates measured on either
+/// side of it. Not between its steps: a matmul after every step made a one-token step ~50%
+/// slower on a 2-vCPU Xeon (libtorch's threads, and the caches, still busy with the matmul).
+struct Probes {
+    device: Device,
+    a: Tensor,
+    b: Tensor,
+    values: Tensor,
+    matmul_flops: f64,
+    read_bytes: f64,
 }
 
-/// Memory read bandwidth: summing a 512 MiB tensor (far larger than any cache) streams it once.
-fn read_bandwidth_gbs(device: Device) -> f64 {
-    let values = Tensor::ones([128 << 20], (Kind::Float, device));
-    let seconds = median_seconds(device, 5, || {
-        let _ = values.sum(Kind::Float);
-    });
-    (512 << 20) as f64 / seconds / 1e9
+/// The rates of one measurement.
+#[derive(Debug, Clone, Copy)]
+struct Rates {
+    gflops: f64,
+    bandwidth: f64,
+}
+
+impl Probes {
+    fn new(device: Device, kind: Kind) -> Self {
+        let n = if device == Device::Cpu { 1024 } else { 8192 };
+        Self {
+            device,
+            a: Tensor::randn([n, n], (kind, device)),
+            b: Tensor::randn([n, n], (kind, device)),
+            values: Tensor::ones([128 << 20], (Kind::Float, device)),
+            matmul_flops: 2.0 * (n * n * n) as f64,
+            read_bytes: (512 << 20) as f64,
+        }
+    }
+
+    /// The median matmul rate (GFLOP/s) of `matmuls` and read bandwidth (GB/s) of `reads`.
+    fn measure(&self, matmuls: usize, reads: usize) -> Rates {
+        let matmul = median_seconds(self.device, matmuls, || {
+            let _ = self.a.matmul(&self.b);
+        });
+        let read = median_seconds(self.device, reads, || {
+            let _ = self.values.sum(Kind::Float);
+        });
+        Rates {
+            gflops: self.matmul_flops / matmul / 1e9,
+            bandwidth: self.read_bytes / read / 1e9,
+        }
+    }
+
+    /// The median time of `runs` calls of `step` (after one untimed), and the mean of the rates
+    /// measured just before and just after them.
+    fn beside(&self, runs: usize, step: impl FnMut()) -> (f64, Rates) {
+        let before = self.measure(5, 3);
+        let seconds = median_seconds(self.device, runs, step);
+        let after = self.measure(5, 3);
+        let rates = Rates {
+            gflops: (before.gflops + after.gflops) / 2.0,
+            bandwidth: (before.bandwidth + after.bandwidth) / 2.0,
+        };
+        (seconds, rates)
+    }
 }
 
 /// FLOPs of one token through the model (matmuls only; attention adds 4·context·hidden per layer).
@@ -131,10 +178,10 @@ fn main() -> anyhow::Result<()> {
     } else {
         "libtorch".to_owned()
     };
-    let gflops = matmul_gflops(device, kind);
-    let bandwidth = read_bandwidth_gbs(device);
+    let probes = Probes::new(device, kind);
+    let Rates { gflops, bandwidth } = probes.measure(10, 5);
     println!(
-        "device: {}, threads: {threads}, {kind:?} matmul: {gflops:.1} GFLOP/s, memory read: {bandwidth:.1} GB/s",
+        "device: {}, threads: {threads}, {kind:?} matmul: {gflops:.1} GFLOP/s, memory read: {bandwidth:.1} GB/s at the start (each kind of step is set against these rates measured again on either side of it)",
         rivulet_worker::device::describe(device),
         threads = tch::get_num_threads(),
     );
@@ -196,32 +243,33 @@ fn main() -> anyhow::Result<()> {
         ));
     }
     println!(
-        "{:<20} {:<22} {:>10} {:>12} {:>14} {:>12} {:>12}",
-        "engine", "step", "ms/step", "tokens/s", "roofline tok/s", "of roofline", "of FMA peak"
+        "{:<20} {:<22} {:>10} {:>12} {:>14} {:>12} {:>12} {:>11} {:>8}",
+        "engine", "step", "ms/step", "tokens/s", "roofline tok/s", "of roofline", "of FMA peak", "GFLOP/s", "GB/s"
     );
     for (name, engine, weight_bytes) in &mut runs {
-        let report = |step: &str, seconds: f64, tokens: i64, context: i64| {
-            let compute_bound = gflops * 1e9 / flops_per_token(&config, context);
-            let bandwidth_bound = tokens as f64 * bandwidth * 1e9 / *weight_bytes;
+        // Each kind of step against the roofline of the rates measured on either side of it.
+        let report = |step: &str, (seconds, rates): (f64, Rates), tokens: i64, context: i64| {
+            let flops = flops_per_token(&config, context);
+            let compute_bound = rates.gflops * 1e9 / flops;
+            let bandwidth_bound = tokens as f64 * rates.bandwidth * 1e9 / *weight_bytes;
             let roofline = compute_bound.min(bandwidth_bound);
             let rate = tokens as f64 / seconds;
             let of_peak = fma_peak.map_or("-".to_owned(), |peak| {
-                format!(
-                    "{:.0}%",
-                    100.0 * rate * flops_per_token(&config, context) / (peak * 1e9)
-                )
+                format!("{:.0}%", 100.0 * rate * flops / (peak * 1e9))
             });
             println!(
-                "{name:<20} {step:<22} {:>10.2} {rate:>12.1} {roofline:>14.1} {:>11.0}% {of_peak:>12}",
+                "{name:<20} {step:<22} {:>10.2} {rate:>12.1} {roofline:>14.1} {:>11.0}% {of_peak:>12} {:>11.1} {:>8.1}",
                 seconds * 1e3,
-                100.0 * rate / roofline
+                100.0 * rate / roofline,
+                rates.gflops,
+                rates.bandwidth,
             );
         };
         println!("{name}: weights read per step {:.1} MB", *weight_bytes / 1e6);
         let phases_wanted = std::env::var_os("RIVULET_BENCH_PHASES").is_some();
         for &batch in &batches {
-            let seconds = median_seconds(device, decode_runs, || engine.decode(batch, context, blocks_per_seq));
-            report(&format!("decode batch {batch} @{context}"), seconds, batch, context);
+            let measured = probes.beside(decode_runs, || engine.decode(batch, context, blocks_per_seq));
+            report(&format!("decode batch {batch} @{context}"), measured, batch, context);
             if phases_wanted {
                 if let Some(phases) = engine.decode_phases(batch, context, blocks_per_seq, decode_runs) {
                     print_phases(&phases);
@@ -232,9 +280,9 @@ fn main() -> anyhow::Result<()> {
         if std::env::var_os("RIVULET_BENCH_NO_PREFILL").is_some() {
             continue;
         }
-        let seconds = median_seconds(device, 4, || engine.prefill(context, blocks_per_seq));
+        let measured = probes.beside(4, || engine.prefill(context, blocks_per_seq));
         // A prefill's attention averages half the context; its head runs for one row only.
-        report(&format!("prefill {context} tokens"), seconds, context, context / 2);
+        report(&format!("prefill {context} tokens"), measured, context, context / 2);
     }
     Ok(())
 }
