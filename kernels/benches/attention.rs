@@ -66,16 +66,9 @@ fn main() {
         .collect();
     let mut out = vec![0f32; batch * q_width];
     let bytes = (batch * context * shape.kv_heads * shape.head_dim * 2 * 4 * layers * repeats) as f64;
-    let mut times = Vec::new();
-    for _ in 0..15 {
-        let started = Instant::now();
-        for (k, v) in caches.iter().cycle().take(layers * repeats) {
-            paged_attention(shape, &queries, q_width, &tokens, k, v, &mut out);
-        }
-        times.push(started.elapsed().as_secs_f64());
-    }
-    times.sort_by(f64::total_cmp);
-    let median = times[times.len() / 2];
+    let median = median_step(&caches, layers * repeats, |k, v| {
+        paged_attention(shape, &queries, q_width, &tokens, k, v, &mut out);
+    });
     println!(
         "threads {threads} batch {batch} context {context} layers {layers}: {:.2} ms/step, {:.1} GB/s ({:.1} MB)",
         median * 1e3,
@@ -88,38 +81,46 @@ fn main() {
     // gives a read of scattered 4 KiB runs (a sequence's KV head in one block), the ceiling for
     // attention over a cache that does not fit the caches.
     let row = shape.block_size * shape.head_dim;
-    let mut times = Vec::new();
-    for _ in 0..15 {
-        let started = Instant::now();
-        for (k, v) in caches.iter().cycle().take(layers * repeats) {
-            let total: f32 = (0..batch * shape.kv_heads)
-                .into_par_iter()
-                .map(|unit| {
-                    let (token, kv_head) = (&tokens[unit / shape.kv_heads], unit % shape.kv_heads);
-                    // (offset, values) of each block's run: the last block's visible keys only.
-                    let runs: Vec<(usize, usize)> = token.block_table[..context.div_ceil(shape.block_size)]
-                        .iter()
-                        .enumerate()
-                        .map(|(index, &block)| {
-                            let keys = (context - index * shape.block_size).min(shape.block_size);
-                            ((block as usize * shape.kv_heads + kv_head) * row, keys * shape.head_dim)
-                        })
-                        .collect();
-                    read_runs(k, &runs) + read_runs(v, &runs)
-                })
-                .sum();
-            std::hint::black_box(total);
-        }
-        times.push(started.elapsed().as_secs_f64());
-    }
-    times.sort_by(f64::total_cmp);
-    let plain = times[times.len() / 2];
+    let plain = median_step(&caches, layers * repeats, |k, v| {
+        let total: f32 = (0..batch * shape.kv_heads)
+            .into_par_iter()
+            .map(|unit| {
+                let (token, kv_head) = (&tokens[unit / shape.kv_heads], unit % shape.kv_heads);
+                // (offset, values) of each block's run: the last block's visible keys only.
+                let runs: Vec<(usize, usize)> = token.block_table[..context.div_ceil(shape.block_size)]
+                    .iter()
+                    .enumerate()
+                    .map(|(index, &block)| {
+                        let keys = (context - index * shape.block_size).min(shape.block_size);
+                        ((block as usize * shape.kv_heads + kv_head) * row, keys * shape.head_dim)
+                    })
+                    .collect();
+                read_runs(k, &runs) + read_runs(v, &runs)
+            })
+            .sum();
+        std::hint::black_box(total);
+    });
     println!(
         "  the same bytes read in the same 4 KiB runs, nothing computed: {:.2} ms/step, {:.1} GB/s (attention at {:.0}% of it)",
         plain * 1e3,
         bytes / plain / 1e9,
         100.0 * plain / median
     );
+}
+
+/// The median of 15 timings of one step: `visit` on `visits` layers' keys and values in turn.
+fn median_step(caches: &[(Vec<f32>, Vec<f32>)], visits: usize, mut visit: impl FnMut(&[f32], &[f32])) -> f64 {
+    let mut times: Vec<f64> = (0..15)
+        .map(|_| {
+            let started = Instant::now();
+            for (k, v) in caches.iter().cycle().take(visits) {
+                visit(k, v);
+            }
+            started.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
 }
 
 /// The sum of `runs` (each `(offset, values)` of `cache`), the next run fetched ahead into L2
