@@ -59,7 +59,7 @@ fn median_seconds(device: Device, runs: usize, mut f: impl FnMut()) -> f64 {
 /// at the start and again just before and after every kind of step.
 ///
 /// Why again: on the shared virtual machines this runs on, both rates swing by up to half from
-/// one minute to the next (a 2-vCPU Xeon's sgemm measured 149–294 GFLOP/s within an hour), so
+/// one minute to the next (a 2-vCPU Xeon's sgemm measured 141–294 GFLOP/s within an hour), so
 /// a step set against rates measured minutes before read 47% of its roofline in one run and
 /// 106% in the next. Each kind of step is set against the mean of the rates measured on either
 /// side of it. Not between its steps: a matmul after every step made a one-token step ~50%
