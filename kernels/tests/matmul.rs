@@ -155,14 +155,15 @@ fn batches_of_several_row_tiles() {
 }
 
 /// The tile path (AMX, where the CPU has it; 16+ rows): whole and partial tiles of activation
-/// rows, an odd number of blocks per row, and a last partial panel of weight rows. On a CPU
+/// rows, an odd number of blocks per row, a last partial panel of weight rows, and tasks of
+/// several groups of panels (300 rows are 19 panels, four a task on two threads). On a CPU
 /// without AMX the same products run on the other paths.
 #[test]
 fn tile_sized_batches_match() {
     let mut rng = StdRng::seed_from_u64(19);
     for format in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
         for batch in [16, 17, 32, 45] {
-            for (rows, cols) in [(16, 32), (37, 544), (20, 1056)] {
+            for (rows, cols) in [(16, 32), (37, 544), (20, 1056), (300, 96)] {
                 check(&mut rng, format, rows, cols, batch);
             }
         }
