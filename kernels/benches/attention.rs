@@ -81,22 +81,25 @@ fn main() {
     // gives a read of scattered 4 KiB runs (a sequence's KV head in one block), the ceiling for
     // attention over a cache that does not fit the caches.
     let row = shape.block_size * shape.head_dim;
+    // Each (sequence, KV head) pair's runs, `(offset, values)` a block (the last block's
+    // visible keys only), found once: every layer's cache has the same layout.
+    let unit_runs: Vec<Vec<(usize, usize)>> = (0..batch * shape.kv_heads)
+        .map(|unit| {
+            let (token, kv_head) = (&tokens[unit / shape.kv_heads], unit % shape.kv_heads);
+            token.block_table[..context.div_ceil(shape.block_size)]
+                .iter()
+                .enumerate()
+                .map(|(index, &block)| {
+                    let keys = (context - index * shape.block_size).min(shape.block_size);
+                    ((block as usize * shape.kv_heads + kv_head) * row, keys * shape.head_dim)
+                })
+                .collect()
+        })
+        .collect();
     let plain = median_step(&caches, layers * repeats, |k, v| {
-        let total: f32 = (0..batch * shape.kv_heads)
-            .into_par_iter()
-            .map(|unit| {
-                let (token, kv_head) = (&tokens[unit / shape.kv_heads], unit % shape.kv_heads);
-                // (offset, values) of each block's run: the last block's visible keys only.
-                let runs: Vec<(usize, usize)> = token.block_table[..context.div_ceil(shape.block_size)]
-                    .iter()
-                    .enumerate()
-                    .map(|(index, &block)| {
-                        let keys = (context - index * shape.block_size).min(shape.block_size);
-                        ((block as usize * shape.kv_heads + kv_head) * row, keys * shape.head_dim)
-                    })
-                    .collect();
-                read_runs(k, &runs) + read_runs(v, &runs)
-            })
+        let total: f32 = unit_runs
+            .par_iter()
+            .map(|runs| read_runs(k, runs) + read_runs(v, runs))
             .sum();
         std::hint::black_box(total);
     });
