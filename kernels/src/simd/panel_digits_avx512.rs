@@ -25,7 +25,7 @@ use super::panel_digits_vnni::has_avx512_vnni;
 #[cfg(target_arch = "x86_64")]
 use super::panel_digits_vnni::q4_digits_pair_vnni;
 #[cfg(target_arch = "x86_64")]
-use super::panel_gemv::prefetch_ahead;
+use super::panel_gemv::{prefetch_pair, PairAhead, PREFETCH_BLOCKS};
 use super::panels::{Kind, Panels, Q4_BLOCK, SCALES};
 use super::{has_avx512, PANEL};
 
@@ -136,11 +136,10 @@ unsafe fn q4_digits_pair(
             _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31),
         ];
         let mut totals = [_mm512_setzero_ps(); 2];
+        let mut near = PairAhead::new(PREFETCH_BLOCKS, blocks);
         for block in 0..blocks {
             let bases = panels.map(|panel| panel.add(block * Q4_BLOCK));
-            for base in bases {
-                prefetch_ahead(base, Q4_BLOCK);
-            }
+            prefetch_pair::<_MM_HINT_T0>(panels, near.advance(), Q4_BLOCK);
             let nibbles = bases.map(|base| base.add(2 * SCALES));
             let lines = digits.add(block * DIGITS * 64);
             // Per digit, 16-bit sums of each panel's 16 rows over the low nibbles' columns and

@@ -8,7 +8,7 @@
 //! multiply (`vpmaddubsw`, then a 16-bit add) and joins its 16-bit sums into 32-bit ones per
 //! block. `vpdpbusd` accumulates straight into 32-bit sums, so a block of two panels costs ~150
 //! instructions instead of ~230; and this kernel fetches its weights into L2 far ahead
-//! ([`super::panel_gemv::prefetch_to_l2_ahead`]), which a step bound by memory needs more.
+//! ([`super::panel_gemv::L2_PREFETCH_BLOCKS`], [`super::panel_gemv::PairAhead`]), which a step bound by memory needs more.
 //! Measured on a Xeon (Emerald Rapids, 2 threads): one layer's projections kept in cache
 //! (`PROJECTIONS_DISTINCT=1 cargo bench -p rivulet-kernels --bench projections -- 1 1 Q4_1`,
 //! one thread, alternating with `RIVULET_KERNELS_NO_VNNI=1`) 3.01–3.78 ms per step against
@@ -34,7 +34,7 @@ use std::arch::x86_64::*;
 
 use super::panel_digits_avx2::{ActivationDigits, DIGITS};
 #[cfg(target_arch = "x86_64")]
-use super::panel_gemv::prefetch_to_l2_ahead;
+use super::panel_gemv::{prefetch_pair, PairAhead, L2_PREFETCH_BLOCKS};
 use super::panels::{Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
 use super::{has_avx512bw, PANEL};
 
@@ -86,11 +86,10 @@ pub(super) unsafe fn q4_digits_pair_vnni(
             _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31),
         ];
         let mut totals = [_mm512_setzero_ps(); 2];
+        let mut far = PairAhead::new(L2_PREFETCH_BLOCKS, blocks);
         for block in 0..blocks {
             let bases = panels.map(|panel| panel.add(block * Q4_BLOCK));
-            for base in bases {
-                prefetch_to_l2_ahead(base, Q4_BLOCK);
-            }
+            prefetch_pair::<_MM_HINT_T1>(panels, far.advance(), Q4_BLOCK);
             let nibbles = bases.map(|base| base.add(2 * SCALES));
             let lines = digits.add(block * DIGITS * 32).cast::<i32>();
             // Per digit, per `lo`/`hi` rows, per low/high nibbles: 32-bit sums (separate chains,
@@ -245,12 +244,11 @@ unsafe fn q8_digits_pair_vnni(
         let to_rows = _mm512_loadu_si512(TO_ROWS.as_ptr().cast());
         let ones = _mm512_set1_epi8(1);
         let mut totals = [_mm512_setzero_ps(); 2];
+        let mut far = PairAhead::new(L2_PREFETCH_BLOCKS, blocks);
         for block in 0..blocks {
             let lines = digits.add(block * DIGITS * 32).cast::<i32>();
             let bases = [panels[0].add(block * Q8_BLOCK), panels[1].add(block * Q8_BLOCK)];
-            for base in bases {
-                prefetch_to_l2_ahead(base, Q8_BLOCK);
-            }
+            prefetch_pair::<_MM_HINT_T1>(panels, far.advance(), Q8_BLOCK);
             // Per panel: the three digit sums, then the weights' sum.
             let mut sums = [[_mm512_setzero_si512(); 4]; 2];
             for j in 0..8 {

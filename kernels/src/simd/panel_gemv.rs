@@ -151,7 +151,7 @@ impl Panels {
 }
 
 /// Blocks ahead that a block's bytes are fetched.
-const PREFETCH_BLOCKS: usize = 4;
+pub(super) const PREFETCH_BLOCKS: usize = 4;
 
 /// Fetches the block `PREFETCH_BLOCKS` after the one at `base` (`block_bytes` each). A hint
 /// only: it never faults, so it may point past the panel.
@@ -170,24 +170,73 @@ fn prefetch_block<const HINT: i32>(block: *const u8, block_bytes: usize) {
     }
 }
 
-/// Blocks ahead that [`prefetch_to_l2_ahead`] fetches: 10 KB of a 4-bit panel, past the end of a
-/// short panel into the next ones (a task's panels are consecutive in memory).
-const L2_PREFETCH_BLOCKS: usize = 32;
-
-/// Fetches the block `L2_PREFETCH_BLOCKS` after the one at `base` (`block_bytes` each) into
-/// the L2 cache only. A hint only: it never faults, so it may point past the panel.
+/// Blocks ahead that the VNNI digit kernels ([`super::panel_digits_vnni`]) fetch into the L2
+/// cache only (`prefetcht1`, through [`PairAhead`]): 10 KB of a 4-bit panel.
 ///
-/// Why: a one-token step on the VNNI kernel ([`super::panel_digits_vnni`]) streams weights as
-/// fast as memory gives them, and a fetch into L1 four blocks ahead keeps too few lines in
-/// flight (each L1 miss holds one of the core's few fill buffers until memory answers). On a
-/// Xeon (Emerald Rapids, 2 threads, `cargo bench -p rivulet-kernels --bench projections -- 2 1
-/// Q4_1`, three alternating runs) SmolLM2's 4-bit projections took 4.41–4.69 ms per step with
-/// this against 4.96–5.24 with [`prefetch_ahead`]'s (5.9–6.3 with none). Intel and Zen 4 fetch
-/// `prefetcht1` into L2; older AMD cores fetch it into L1, where 10 KB ahead of two panels
-/// would crowd the cache, so only the AVX-512 VNNI kernel uses it.
+/// Why: a one-token step on the VNNI kernel streams weights as fast as memory gives them, and a
+/// fetch into L1 four blocks ahead keeps too few lines in flight (each L1 miss holds one of the
+/// core's few fill buffers until memory answers). On a Xeon (Emerald Rapids, 2 threads, `cargo
+/// bench -p rivulet-kernels --bench projections -- 2 1 Q4_1`, three alternating runs)
+/// SmolLM2's 4-bit projections took 4.41–4.69 ms per step with this against 4.96–5.24 with
+/// [`prefetch_ahead`]'s (5.9–6.3 with none). Intel and Zen 4 fetch `prefetcht1` into L2; older
+/// AMD cores fetch it into L1, where 10 KB ahead of two panels would crowd the cache, so only
+/// the AVX-512 VNNI kernels use it.
+pub(super) const L2_PREFETCH_BLOCKS: usize = 32;
+
+/// Where a kernel that reads two consecutive panels side by side, block by block (the AVX-512
+/// digit kernels, [`super::panel_digits_avx512`] and [`super::panel_digits_vnni`]), fetches
+/// ahead: the block `ahead` blocks past the one it reads, in the order it will read them, counted
+/// from either panel's start. Past a pair's last block that is the next pair's (the panels of a
+/// task's pairs are consecutive in memory, so the next pair's first panel starts one panel past
+/// the second), where a plain `base + ahead` lands in the pair's other panel and leaves the
+/// next pair's second panel to be read from memory cold.
+///
+/// Why: on a Zen 5 EPYC (2 threads, `rivulet-worker-bench` batch 1 at context 256, three
+/// alternating runs) the VNNI kernel's down projection (48 blocks a panel, where 32 ahead stays
+/// inside the pair) took 735–753 µs a step with `base + 32` and 486–509 with this; the shorter
+/// projections (18 blocks a panel) were already fetched across pairs by accident.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PairAhead {
+    /// The next block to fetch, from either panel's start (a pair spans `2 · blocks`).
+    at: usize,
+    /// Its index inside its panel.
+    within: usize,
+    blocks: usize,
+}
+
+impl PairAhead {
+    /// Starts `ahead` blocks past block 0 of pairs of `blocks`-block panels (`blocks > 0`).
+    pub(super) fn new(ahead: usize, blocks: usize) -> Self {
+        let blocks = blocks.max(1);
+        let within = ahead % blocks;
+        Self {
+            at: ahead / blocks * 2 * blocks + within,
+            within,
+            blocks,
+        }
+    }
+
+    /// The block to fetch for the current one (from either panel's start), then moves on a block.
+    pub(super) fn advance(&mut self) -> usize {
+        let at = self.at;
+        self.at += 1;
+        self.within += 1;
+        if self.within == self.blocks {
+            self.within = 0;
+            self.at += self.blocks;
+        }
+        at
+    }
+}
+
+/// Fetches block `at` ([`PairAhead::advance`]) of both panels of a pair, `block_bytes` each, with
+/// the prefetch hint `HINT`. A hint only: it never faults, so it may point past the matrix.
 #[cfg(target_arch = "x86_64")]
-pub(super) fn prefetch_to_l2_ahead(base: *const u8, block_bytes: usize) {
-    prefetch_block::<_MM_HINT_T1>(base.wrapping_add(L2_PREFETCH_BLOCKS * block_bytes), block_bytes);
+#[inline(always)]
+pub(super) fn prefetch_pair<const HINT: i32>(panels: [*const u8; 2], at: usize, block_bytes: usize) {
+    for panel in panels {
+        prefetch_block::<HINT>(panel.wrapping_add(at * block_bytes), block_bytes);
+    }
 }
 
 /// The sum of a row's `C` partial accumulators.
@@ -286,6 +335,28 @@ unsafe fn q8_rows<const M: usize, const C: usize>(
         }
         for (b, total) in totals.iter().enumerate() {
             _mm512_storeu_ps(out.add(b * PANEL), *total);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PairAhead;
+
+    /// The fetches follow the blocks in the order a pair kernel reads them: block `b` of each
+    /// panel of pair `p` lies `2 · blocks · p + b` blocks from the first pair's panels' starts.
+    #[test]
+    fn pair_fetches_run_ahead_through_the_next_pairs() {
+        for blocks in [1, 2, 5, 18, 48] {
+            for ahead in [0, 1, 4, 17, 32, 100] {
+                // Pair `p`'s blocks are read in steps `p · blocks + b`.
+                let mut fetch = PairAhead::new(ahead, blocks);
+                for step in 0..4 * blocks {
+                    let target = step + ahead;
+                    let expected = target / blocks * 2 * blocks + target % blocks;
+                    assert_eq!(fetch.advance(), expected, "blocks {blocks}, ahead {ahead}, step {step}");
+                }
+            }
         }
     }
 }
