@@ -323,10 +323,14 @@ impl WeightMatrix {
             _ => None,
         };
         let pair_kernel = simd::DigitPairKernel::detect();
-        // Whole pairs of panels per task where the AVX-512 digit kernel takes two at once,
-        // and whole groups of panels where the AMX path takes several at once.
+        // Batches of f32 rows against 4-bit panels take two panels a pass on AVX-512.
+        // (Rows of no columns have no panel blocks to pair.)
+        let pair_panels = path == Path::PanelGemv && digits.is_none() && self.format != GgmlType::Q8_0 && self.cols > 0;
+        // Whole pairs of panels per task where an AVX-512 kernel takes two at once, and whole
+        // groups of panels where the AMX path takes several at once.
         let per_task = match (path, &digits) {
             (Path::PanelGemv, Some(_)) => per_task.next_multiple_of(2),
+            (Path::PanelGemv, None) if pair_panels => per_task.next_multiple_of(2),
             (Path::PanelAmx, _) => per_task.next_multiple_of(simd::AMX_PANELS),
             _ => per_task,
         };
@@ -395,26 +399,41 @@ impl WeightMatrix {
                         }
                     } else if let Some(panels) = &self.panels {
                         let tile = panel_tile_rows(self.cols);
-                        scratch.sums.resize(tile.min(batch) * simd::PANEL, 0.0);
+                        scratch.sums.resize(tile.min(batch) * 2 * simd::PANEL, 0.0);
                         for first_row in (0..batch).step_by(tile) {
                             let tile_rows = tile.min(batch - first_row);
-                            for panel in (first..last).step_by(simd::PANEL) {
-                                let rows = simd::PANEL.min(last - panel);
-                                panels.product_avx512(
-                                    panel / simd::PANEL,
-                                    &x[first_row * self.cols..],
-                                    self.cols,
-                                    block_sums.get(first_row * self.cols / 32..).unwrap_or_default(),
-                                    tile_rows,
-                                    &mut scratch.sums,
-                                );
+                            let (x, sums) = (
+                                &x[first_row * self.cols..],
+                                block_sums.get(first_row * self.cols / 32..).unwrap_or_default(),
+                            );
+                            let mut panel = first;
+                            while panel < last {
+                                // Two 4-bit panels a pass where both hold rows of this task
+                                // (`simd::panel_pair_gemv`), else one.
+                                let rows = (2 * simd::PANEL).min(last - panel);
+                                let (rows, stride) = if pair_panels && rows > simd::PANEL {
+                                    panels.product_avx512_pair(
+                                        panel / simd::PANEL,
+                                        x,
+                                        self.cols,
+                                        sums,
+                                        tile_rows,
+                                        &mut scratch.sums,
+                                    );
+                                    (rows, 2 * simd::PANEL)
+                                } else {
+                                    let index = panel / simd::PANEL;
+                                    panels.product_avx512(index, x, self.cols, sums, tile_rows, &mut scratch.sums);
+                                    (rows.min(simd::PANEL), simd::PANEL)
+                                };
                                 output.store_rows(
                                     first_row..first_row + tile_rows,
                                     first_column + panel,
                                     rows,
                                     &scratch.sums,
-                                    simd::PANEL,
+                                    stride,
                                 );
+                                panel += rows;
                             }
                         }
                     }

@@ -36,6 +36,7 @@ mod panel_digits_avx512;
 mod panel_digits_vnni;
 mod panel_gemv;
 mod panel_gemv_avx2;
+mod panel_pair_gemv;
 mod panels;
 mod peak;
 mod row_gemv;

@@ -58,9 +58,16 @@ impl Panels {
         batch: usize,
         out: &mut [f32],
     ) {
-        self.in_passes(PANEL_GEMV_ROWS, x, x_stride, sums, batch, out, |x, sums, rows, out| {
-            self.pass_avx512(panel, x, x_stride, sums, rows, out)
-        });
+        self.in_passes(
+            PANEL_GEMV_ROWS,
+            PANEL,
+            x,
+            x_stride,
+            sums,
+            batch,
+            out,
+            |x, sums, rows, out| self.pass_avx512(panel, x, x_stride, sums, rows, out),
+        );
     }
 
     /// One pass of [`Self::product_avx512`]: `1..=PANEL_GEMV_ROWS` activation rows.
@@ -100,11 +107,12 @@ impl Panels {
     /// Runs `pass(x, sums, rows, out)` over `batch` activation rows in passes of at most
     /// `max_rows`, sized evenly (13 = 7 + 6, not 8 + 5: a pass of few rows has too few
     /// accumulators to hide the FMA latency); each pass gets its rows of `x` (`x_stride` apart),
-    /// of `sums` ([`block_sums`]) and of `out` (`PANEL` values a row).
+    /// of `sums` ([`block_sums`]) and of `out` (`out_row` values a row).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn in_passes(
         &self,
         max_rows: usize,
+        out_row: usize,
         x: &[f32],
         x_stride: usize,
         sums: &[f32],
@@ -121,7 +129,7 @@ impl Panels {
                 &x[start * x_stride..],
                 sums.get(start * blocks..).unwrap_or_default(),
                 rows,
-                &mut out[start * PANEL..(start + rows) * PANEL],
+                &mut out[start * out_row..(start + rows) * out_row],
             );
             start += rows;
         }

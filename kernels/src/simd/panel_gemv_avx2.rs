@@ -37,6 +37,7 @@ impl Panels {
     pub fn product_avx2(&self, panel: usize, x: &[f32], x_stride: usize, sums: &[f32], batch: usize, out: &mut [f32]) {
         self.in_passes(
             PANEL_GEMV_AVX2_ROWS,
+            PANEL,
             x,
             x_stride,
             sums,
