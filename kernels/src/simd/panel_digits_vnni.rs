@@ -34,7 +34,7 @@ use std::arch::x86_64::*;
 
 use super::panel_digits_avx2::{ActivationDigits, DIGITS};
 #[cfg(target_arch = "x86_64")]
-use super::panel_gemv::{prefetch_pair, PairAhead, L2_PREFETCH_BLOCKS};
+use super::panel_gemv::{prefetch_pair, PairAhead, L2_PREFETCH_BLOCKS, PREFETCH_BLOCKS};
 use super::panels::{Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
 use super::{has_avx512bw, PANEL};
 
@@ -87,9 +87,11 @@ pub(super) unsafe fn q4_digits_pair_vnni(
         ];
         let mut totals = [_mm512_setzero_ps(); 2];
         let mut far = PairAhead::new(L2_PREFETCH_BLOCKS, blocks);
+        let mut near = PairAhead::new(PREFETCH_BLOCKS, blocks);
         for block in 0..blocks {
             let bases = panels.map(|panel| panel.add(block * Q4_BLOCK));
             prefetch_pair::<_MM_HINT_T1>(panels, far.advance(), Q4_BLOCK);
+            prefetch_pair::<_MM_HINT_T0>(panels, near.advance(), Q4_BLOCK);
             let nibbles = bases.map(|base| base.add(2 * SCALES));
             let lines = digits.add(block * DIGITS * 32).cast::<i32>();
             // Per digit, per `lo`/`hi` rows, per low/high nibbles: 32-bit sums (separate chains,
@@ -245,10 +247,12 @@ unsafe fn q8_digits_pair_vnni(
         let ones = _mm512_set1_epi8(1);
         let mut totals = [_mm512_setzero_ps(); 2];
         let mut far = PairAhead::new(L2_PREFETCH_BLOCKS, blocks);
+        let mut near = PairAhead::new(PREFETCH_BLOCKS, blocks);
         for block in 0..blocks {
             let lines = digits.add(block * DIGITS * 32).cast::<i32>();
             let bases = [panels[0].add(block * Q8_BLOCK), panels[1].add(block * Q8_BLOCK)];
             prefetch_pair::<_MM_HINT_T1>(panels, far.advance(), Q8_BLOCK);
+            prefetch_pair::<_MM_HINT_T0>(panels, near.advance(), Q8_BLOCK);
             // Per panel: the three digit sums, then the weights' sum.
             let mut sums = [[_mm512_setzero_si512(); 4]; 2];
             for j in 0..8 {

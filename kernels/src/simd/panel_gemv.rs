@@ -179,7 +179,12 @@ fn prefetch_block<const HINT: i32>(block: *const u8, block_bytes: usize) {
 }
 
 /// Blocks ahead that the VNNI digit kernels ([`super::panel_digits_vnni`]) fetch into the L2
-/// cache only (`prefetcht1`, through [`PairAhead`]): 10 KB of a 4-bit panel.
+/// cache only (`prefetcht1`, through [`PairAhead`]): 10 KB of a 4-bit panel. They also fetch
+/// [`PREFETCH_BLOCKS`] ahead into L1, so that their loads meet lines already moved up from L2:
+/// on a Zen 5 EPYC (`cargo bench -p rivulet-kernels --bench projections -- 2 1 Q4_1`, four
+/// alternating runs) the 4-bit projections took 1.82–2.38 ms a step with both fetches against
+/// 2.30–2.63 with the L2 fetch alone, and a one-token step 3.33–3.87 ms (one run 4.71) against
+/// 3.74–3.84 (five alternating runs in a slow hour).
 ///
 /// Why: a one-token step on the VNNI kernel streams weights as fast as memory gives them, and a
 /// fetch into L1 four blocks ahead keeps too few lines in flight (each L1 miss holds one of the
