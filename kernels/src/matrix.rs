@@ -368,6 +368,11 @@ impl WeightMatrix {
                 }
                 Path::PanelGemv => SCRATCH.with_borrow_mut(|scratch| {
                     // `PanelGemv` is chosen only where panels exist.
+                    if let (Some(panels), Some(_)) = (&self.panels, &digits) {
+                        // The pair kernels fetch far ahead of the blocks they read, so a task's
+                        // first blocks are fetched here (`Panels::fetch_pairs_start`).
+                        panels.fetch_pairs_start(first / simd::PANEL);
+                    }
                     if let (Some(panels), Some(digits), GgmlType::Q8_0) = (&self.panels, &digits, self.format) {
                         // One row's digits against Q8_0 panels, two panels a pass.
                         scratch.sums.resize(2 * simd::PANEL, 0.0);

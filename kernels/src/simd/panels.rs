@@ -126,7 +126,7 @@ impl Panels {
         })
     }
 
-    fn block_bytes(&self) -> usize {
+    pub(super) fn block_bytes(&self) -> usize {
         match self.kind {
             Kind::Q4 => Q4_BLOCK,
             Kind::Q8 => Q8_BLOCK,
