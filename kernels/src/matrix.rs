@@ -323,9 +323,14 @@ impl WeightMatrix {
             _ => None,
         };
         let pair_kernel = simd::DigitPairKernel::detect();
-        // Batches of f32 rows against 4-bit panels take two panels a pass on AVX-512.
-        // (Rows of no columns have no panel blocks to pair.)
-        let pair_panels = path == Path::PanelGemv && digits.is_none() && self.format != GgmlType::Q8_0 && self.cols > 0;
+        // Batches of f32 rows against 4-bit panels take two panels a pass on AVX-512 from
+        // `PANEL_PAIR_MIN_ROWS` rows on (`simd::panel_pair_gemv`). (Rows of no columns have no
+        // panel blocks to pair.)
+        let pair_panels = path == Path::PanelGemv
+            && digits.is_none()
+            && batch >= simd::PANEL_PAIR_MIN_ROWS
+            && self.format != GgmlType::Q8_0
+            && self.cols > 0;
         // Whole pairs of panels per task where an AVX-512 kernel takes two at once, and whole
         // groups of panels where the AMX path takes several at once.
         let per_task = match (path, &digits) {

@@ -48,6 +48,7 @@ pub use panel_digits_avx2::ActivationDigits;
 pub use panel_digits_avx512::{has_avx512bw, DigitPairKernel};
 pub use panel_digits_vnni::has_avx512_vnni_vbmi;
 pub use panel_gemv::{block_sums, PANEL_GEMV_ROWS};
+pub use panel_pair_gemv::PANEL_PAIR_MIN_ROWS;
 pub use panels::Panels;
 pub use peak::fma_peak_gflops_on;
 pub use row_gemv::{gemv_decodes, gemv_rows_avx2, GEMV_MAX_BATCH};

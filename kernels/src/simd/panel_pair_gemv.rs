@@ -25,6 +25,13 @@ use super::panels::{four_columns_512, nibble_columns, Q4_BLOCK, SCALES};
 use super::panels::{Kind, Panels};
 use super::{fits, has_avx512, strided_len, PANEL};
 
+/// Activation rows from which a step takes this kernel: below, the step is bound by memory, and
+/// one panel's single stream ([`super::panel_gemv`]) is read faster than two side by side. On a
+/// Zen 5 EPYC (`rivulet-worker-bench` with `RIVULET_KERNELS_NO_DIGITS=1`, batches 1, 2 and 4 at
+/// context 256, four alternating runs) one panel took 3.41–3.58 / 4.08–4.22 / 5.98–6.06 ms a
+/// step and two 3.71–3.78 / 4.22–4.40 / 5.80–5.94.
+pub const PANEL_PAIR_MIN_ROWS: usize = 4;
+
 impl Panels {
     /// `out[b][r] = Σ_k x[b][k] · w[panel · PANEL + r][k]` for every activation row `b < batch`
     /// (row `b` of `x` at `b * x_stride`) and `r < 2 · PANEL`: 4-bit panels `panel` and
