@@ -170,6 +170,20 @@ fn tile_sized_batches_match() {
     }
 }
 
+/// Two 4-bit panels a pass (AVX-512, from four activation rows on): every pass size, a pair and
+/// a last lone panel (37 rows), whole pairs only (64 rows), an odd number of blocks per row.
+#[test]
+fn panel_pairs_match() {
+    let mut rng = StdRng::seed_from_u64(29);
+    for format in [GgmlType::Q4_0, GgmlType::Q4_1] {
+        for batch in [4, 5, 6, 7, 9] {
+            for (rows, cols) in [(37, 96), (64, 544)] {
+                check(&mut rng, format, rows, cols, batch);
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_shapes_are_errors_not_panics() {
     let mut rng = StdRng::seed_from_u64(17);
