@@ -8,7 +8,8 @@
 //! multiply (`vpmaddubsw`, then a 16-bit add) and joins its 16-bit sums into 32-bit ones per
 //! block. `vpdpbusd` accumulates straight into 32-bit sums, so a block of two panels costs ~150
 //! instructions instead of ~230; and this kernel fetches its weights into L2 far ahead
-//! ([`super::panel_gemv::L2_PREFETCH_BLOCKS`], [`super::panel_gemv::PairAhead`]), which a step bound by memory needs more.
+//! ([`super::panel_gemv::L2_PREFETCH_BLOCKS`], in reading order through
+//! [`super::panel_gemv::PairAhead`]), which a step bound by memory needs more.
 //! Measured on a Xeon (Emerald Rapids, 2 threads): one layer's projections kept in cache
 //! (`PROJECTIONS_DISTINCT=1 cargo bench -p rivulet-kernels --bench projections -- 1 1 Q4_1`,
 //! one thread, alternating with `RIVULET_KERNELS_NO_VNNI=1`) 3.01–3.78 ms per step against

@@ -197,7 +197,8 @@ fn prefetch_block<const HINT: i32>(block: *const u8, block_bytes: usize) {
 pub(super) const L2_PREFETCH_BLOCKS: usize = 32;
 
 /// Where a kernel that reads two consecutive panels side by side, block by block (the AVX-512
-/// digit kernels, [`super::panel_digits_avx512`] and [`super::panel_digits_vnni`]), fetches
+/// digit kernels, [`super::panel_digits_avx512`] and [`super::panel_digits_vnni`], and the f32
+/// one of [`super::panel_pair_gemv`]), fetches
 /// ahead: the block `ahead` blocks past the one it reads, in the order it will read them, counted
 /// from either panel's start. Past a pair's last block that is the next pair's (the panels of a
 /// task's pairs are consecutive in memory, so the next pair's first panel starts one panel past
