@@ -334,8 +334,7 @@ impl WeightMatrix {
         // Whole pairs of panels per task where an AVX-512 kernel takes two at once, and whole
         // groups of panels where the AMX path takes several at once.
         let per_task = match (path, &digits) {
-            (Path::PanelGemv, Some(_)) => per_task.next_multiple_of(2),
-            (Path::PanelGemv, None) if pair_panels => per_task.next_multiple_of(2),
+            (Path::PanelGemv, digits) if digits.is_some() || pair_panels => per_task.next_multiple_of(2),
             (Path::PanelAmx, _) => per_task.next_multiple_of(simd::AMX_PANELS),
             _ => per_task,
         };

@@ -74,7 +74,7 @@ impl Panels {
     fn pass_avx512(&self, panel: usize, x: &[f32], x_stride: usize, sums: &[f32], batch: usize, out: &mut [f32]) {
         assert!(has_avx512());
         let blocks = self.blocks_per_row();
-        let source = self.pass_source(panel, PANEL_GEMV_ROWS, x, x_stride, sums, batch, out);
+        let source = self.pass_source(panel, PANEL_GEMV_ROWS, PANEL, x, x_stride, sums, batch, out);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F present; `source` holds the panel's `blocks` blocks of its kind, `x`
         // every activation value read, `sums` every block sum read and `out` every result
@@ -137,12 +137,14 @@ impl Panels {
 
     /// Panel `panel`'s blocks, once a pass of `batch` activation rows (`1..=max_rows`) is
     /// checked against them: `x` holds every value the pass reads, `sums` every block sum (4-bit
-    /// panels) and `out` every result it writes. The kernels' `unsafe` rests on these asserts.
+    /// panels) and `out` every result it writes (`out_row` values a row). The kernels' `unsafe`
+    /// rests on these asserts.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn pass_source(
         &self,
         panel: usize,
         max_rows: usize,
+        out_row: usize,
         x: &[f32],
         x_stride: usize,
         sums: &[f32],
@@ -153,7 +155,7 @@ impl Panels {
         let blocks = self.blocks_per_row();
         assert!(fits(x.len(), strided_len(batch, x_stride, blocks * 32)));
         assert!(self.kind() == Kind::Q8 || fits(sums.len(), batch.checked_mul(blocks)));
-        assert!(fits(out.len(), batch.checked_mul(PANEL)));
+        assert!(fits(out.len(), batch.checked_mul(out_row)));
         self.blocks(panel, 0..blocks)
     }
 }

@@ -51,7 +51,7 @@ impl Panels {
     fn pass_avx2(&self, panel: usize, x: &[f32], x_stride: usize, sums: &[f32], batch: usize, out: &mut [f32]) {
         assert!(has_avx2());
         let blocks = self.blocks_per_row();
-        let source = self.pass_source(panel, PANEL_GEMV_AVX2_ROWS, x, x_stride, sums, batch, out);
+        let source = self.pass_source(panel, PANEL_GEMV_AVX2_ROWS, PANEL, x, x_stride, sums, batch, out);
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX2 present; `source` holds the panel's `blocks` blocks of its kind, `x` every
         // activation value read, `sums` every block sum read and `out` every result written

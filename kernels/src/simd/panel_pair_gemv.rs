@@ -23,7 +23,7 @@ use super::panel_gemv::{prefetch_pair, PairAhead, PREFETCH_BLOCKS};
 #[cfg(target_arch = "x86_64")]
 use super::panels::{four_columns_512, nibble_columns, Q4_BLOCK, SCALES};
 use super::panels::{Kind, Panels};
-use super::{fits, has_avx512, strided_len, PANEL};
+use super::{has_avx512, PANEL};
 
 /// Activation rows from which a step takes this kernel: below, the step is bound by memory, and
 /// one panel's single stream ([`super::panel_gemv`]) is read faster than two side by side. On a
@@ -61,19 +61,13 @@ impl Panels {
     /// One pass of [`Self::product_avx512_pair`]: `1..=PANEL_GEMV_ROWS` activation rows.
     fn pass_avx512_pair(&self, panel: usize, x: &[f32], x_stride: usize, sums: &[f32], batch: usize, out: &mut [f32]) {
         assert!(has_avx512() && self.kind() == Kind::Q4 && panel + 1 < self.panel_count());
-        assert!((1..=PANEL_GEMV_ROWS).contains(&batch));
         let blocks = self.blocks_per_row();
-        assert!(fits(x.len(), strided_len(batch, x_stride, blocks * 32)));
-        assert!(fits(sums.len(), batch.checked_mul(blocks)));
-        assert!(fits(out.len(), batch.checked_mul(2 * PANEL)));
-        let panels = [
-            self.blocks(panel, 0..blocks).as_ptr(),
-            self.blocks(panel + 1, 0..blocks).as_ptr(),
-        ];
+        let first = self.pass_source(panel, PANEL_GEMV_ROWS, 2 * PANEL, x, x_stride, sums, batch, out);
+        let panels = [first.as_ptr(), self.blocks(panel + 1, 0..blocks).as_ptr()];
         #[cfg(target_arch = "x86_64")]
         // SAFETY: AVX-512F present; `panels` hold two 4-bit panels' `blocks` blocks, `x` every
         // activation value read, `sums` every block sum read and `out` every result written
-        // (asserted above).
+        // (`pass_source`'s asserts, with `2 · PANEL` values a row).
         unsafe {
             let (xp, sp, op) = (x.as_ptr(), sums.as_ptr(), out.as_mut_ptr());
             match batch {
