@@ -254,6 +254,9 @@ impl WeightMatrix {
         let panels = self.panels.is_some();
         let path = match isa {
             Isa::Amx if panels && batch >= AMX_MIN_BATCH && self.cols > 0 => Path::PanelAmx,
+            Isa::Avx512 | Isa::Amx if panels && batch >= simd::packed_avx512_min_rows() && self.cols > 0 => {
+                Path::PackedAvx512
+            }
             Isa::Avx512 | Isa::Amx if panels => Path::PanelGemv,
             // Where only the panels remain, a path that reads the blocks takes the panels' instead.
             _ if self.panels_only && simd::has_avx512() => Path::PanelGemv,
@@ -278,7 +281,7 @@ impl WeightMatrix {
         };
         let unit = if matches!(
             path,
-            Path::Packed | Path::PanelGemv | Path::PanelGemvAvx2 | Path::PanelAmx
+            Path::Packed | Path::PackedAvx512 | Path::PanelGemv | Path::PanelGemvAvx2 | Path::PanelAmx
         ) {
             simd::PANEL
         } else {
@@ -335,6 +338,7 @@ impl WeightMatrix {
         // groups of panels where the AMX path takes several at once.
         let per_task = match (path, &digits) {
             (Path::PanelGemv, digits) if digits.is_some() || pair_panels => per_task.next_multiple_of(2),
+            (Path::PackedAvx512, _) => per_task.next_multiple_of(2),
             (Path::PanelAmx, _) => per_task.next_multiple_of(simd::AMX_PANELS),
             _ => per_task,
         };
@@ -486,6 +490,19 @@ impl WeightMatrix {
                         });
                     }
                 }
+                Path::PackedAvx512 => SCRATCH.with_borrow_mut(|scratch| {
+                    // `PackedAvx512` is chosen only where panels exist.
+                    if let Some(panels) = &self.panels {
+                        scratch.sums.resize(batch * 2 * simd::PANEL, 0.0);
+                        for panel in (first..last).step_by(2 * simd::PANEL) {
+                            let rows = (2 * simd::PANEL).min(last - panel);
+                            let (index, count) = (panel / simd::PANEL, rows.div_ceil(simd::PANEL));
+                            let (decoded, sums) = (&mut scratch.packed, &mut scratch.sums);
+                            panels.product_packed_avx512(index, count, x, self.cols, batch, decoded, sums);
+                            output.store_rows(0..batch, first_column + panel, rows, &scratch.sums, 2 * simd::PANEL);
+                        }
+                    }
+                }),
                 Path::Packed => SCRATCH.with_borrow_mut(|scratch| {
                     for panel in (first..last).step_by(simd::PANEL) {
                         let rows = simd::PANEL.min(last - panel);
@@ -695,6 +712,7 @@ struct Scratch {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Path {
     PanelAmx,
+    PackedAvx512,
     PanelGemv,
     PanelGemvAvx2,
     GemvQ4_1,
