@@ -41,7 +41,7 @@ pub fn packed_avx512_min_rows() -> usize {
         match rows.and_then(|r| r.parse().ok()) {
             Some(0) => usize::MAX,
             Some(rows) => rows,
-            None => 16,
+            None => 12,
         }
     })
 }
