@@ -242,9 +242,11 @@ impl WeightMatrix {
             return Ok(());
         }
         // With AMX and panels, batches of `AMX_MIN_BATCH` or more run on the tiles (`PanelAmx`).
-        // With AVX-512 and panels, every batch multiplies straight from the panels, decoded in
-        // registers, eight activation rows a pass (`PanelGemv`; one row against 4-bit panels on
-        // its 8-bit digits where the CPU has AVX-512BW); with AVX2, batches of up to
+        // With AVX-512 and panels, batches of `packed_avx512_min_rows` or more decode each pair
+        // of panels once into L1 and multiply it in register tiles (`PackedAvx512`); smaller ones
+        // multiply straight from the panels, decoded in registers, eight activation rows a pass
+        // (`PanelGemv`; one row against 4-bit panels on its 8-bit digits where the CPU has
+        // AVX-512BW); with AVX2, batches of up to
         // `PANEL_GEMV_AVX2_MAX_BATCH` (`PanelGemvAvx2`). Without panels, small batches decode
         // each row-major block in registers and use it at once (`Gemv`; one or two rows against
         // Q4_1 with the block minimum factored out, `GemvQ4_1`). Larger ones decode a panel of

@@ -184,6 +184,22 @@ fn panel_pairs_match() {
     }
 }
 
+/// Pairs of panels decoded into L1 and multiplied in register tiles (AVX-512, from twelve
+/// activation rows on): one tile and several (25 rows are tiles of 9, 8 and 8), a pair and a
+/// last lone panel (37 rows), one tile of columns and several with a partial last one (96 and
+/// 544 columns are 3 and 17 blocks, four blocks a tile).
+#[test]
+fn packed_register_tiles_match() {
+    let mut rng = StdRng::seed_from_u64(31);
+    for format in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for batch in [12, 13, 25, 36] {
+            for (rows, cols) in [(37, 96), (64, 544), (16, 160)] {
+                check(&mut rng, format, rows, cols, batch);
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_shapes_are_errors_not_panics() {
     let mut rng = StdRng::seed_from_u64(17);

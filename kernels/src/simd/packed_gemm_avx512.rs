@@ -1,7 +1,7 @@
 //! Batches of f32 activation rows times pairs of panels on AVX-512: each pair's weights decoded
 //! once per tile of columns into L1 as f32 (`q·d + offset`, the row-major decoder's
 //! arithmetic), then multiplied by every activation row in register tiles of up to
-//! [`PACKED_ROWS`] rows × 32 weights, each activation a broadcast operand of its two FMAs. Part
+//! [`PACKED_ROWS`] rows × 32 weights, one broadcast activation serving its row's two FMAs. Part
 //! of [`super`]'s `unsafe`, under its invariants (its functions run only after
 //! [`super::has_avx512`] returned true).
 //!

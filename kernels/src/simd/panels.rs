@@ -8,8 +8,9 @@
 //! step's projection time, while the FMA kernel itself runs near the machine's peak. Here one
 //! column's values of 16 rows sit in consecutive bytes and each block's scales are vectors over
 //! the rows, so 8 weights cost one widening load, a mask or shift (4-bit formats), one
-//! conversion, one multiply or FMA and one store. Steps of fewer rows multiply straight from the
-//! panels, decoded in registers ([`super::panel_gemv`] on AVX-512 for every step,
+//! conversion, one multiply or FMA and one store. On AVX-512, steps of 12+ rows decode pairs of
+//! panels into L1 the same way ([`super::packed_gemm_avx512`]). Steps of fewer rows multiply
+//! straight from the panels, decoded in registers ([`super::panel_gemv`] on AVX-512,
 //! [`super::panel_gemv_avx2`] up to 8 rows).
 //!
 //! Layout, per panel of [`PANEL`] rows (a last partial panel is padded with zero rows), block
