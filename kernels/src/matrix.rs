@@ -246,9 +246,10 @@ impl WeightMatrix {
         // of panels once into L1 and multiply it in register tiles (`PackedAvx512`); smaller ones
         // multiply straight from the panels, decoded in registers, eight activation rows a pass
         // (`PanelGemv`; one row against 4-bit panels on its 8-bit digits where the CPU has
-        // AVX-512BW); with AVX2, batches of up to `PANEL_GEMV_AVX2_MAX_BATCH` (`PanelGemvAvx2`). Without panels, small batches decode
-        // each row-major block in registers and use it at once (`Gemv`; one or two rows against
-        // Q4_1 with the block minimum factored out, `GemvQ4_1`). Larger ones decode a panel of
+        // AVX-512BW); with AVX2, batches of up to `PANEL_GEMV_AVX2_MAX_BATCH` (`PanelGemvAvx2`).
+        // Without panels, small batches decode each row-major block in registers and use it at
+        // once (`Gemv`; one or two rows against Q4_1 with the block minimum factored out,
+        // `GemvQ4_1`). Larger ones decode a panel of
         // rows once into L1 and run a register-blocked kernel over every activation row
         // (`Packed`, from the panels where they exist); `Portable` is the same idea in plain Rust.
         let whole_blocks = self.cols.is_multiple_of(32);
@@ -328,8 +329,8 @@ impl WeightMatrix {
         };
         let pair_kernel = simd::DigitPairKernel::detect();
         // Batches of f32 rows against 4-bit panels take two panels a pass on AVX-512 from
-        // `PANEL_PAIR_MIN_ROWS` rows on (`simd::panel_pair_gemv`; larger ones `PackedAvx512`). (Rows of no columns have no
-        // panel blocks to pair.)
+        // `PANEL_PAIR_MIN_ROWS` rows on (`simd::panel_pair_gemv`; larger ones `PackedAvx512`).
+        // (Rows of no columns have no panel blocks to pair.)
         let pair_panels = path == Path::PanelGemv
             && digits.is_none()
             && batch >= simd::PANEL_PAIR_MIN_ROWS

@@ -78,10 +78,10 @@ impl Panels {
         sums: &mut [f32],
     ) {
         assert!(has_avx512() && (1..=2).contains(&count) && panel + count <= self.panel_count());
-        let cols = self.blocks_per_row() * 32;
+        let blocks = self.blocks_per_row();
+        let cols = blocks * 32;
         assert!(batch == 0 || (cols <= x_stride && fits(x.len(), strided_len(batch, x_stride, cols))));
         assert!(fits(sums.len(), batch.checked_mul(PAIR)));
-        let blocks = self.blocks_per_row();
         decoded.resize(TILE_BLOCKS * 32 * PAIR, 0.0);
         for start in (0..blocks).step_by(TILE_BLOCKS) {
             let end = (start + TILE_BLOCKS).min(blocks);
