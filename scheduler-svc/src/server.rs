@@ -44,6 +44,12 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         Arc::new(ModelTokenizer::from_model_path(&config.model.path).with_context(|| format!("model {model}"))?);
     let limits = ModelLimits::read(&config.model.path, tokenizer.vocab_size(), config.model.max_model_len)
         .with_context(|| format!("model {model}"))?;
+    // Built now rather than on the first request's first token.
+    let byte_level = tokenizer.byte_pieces().is_some();
+    tracing::info!(
+        byte_level,
+        "detokenizer: token bytes appended where byte_level, else windows decoded"
+    );
     let served_model_name = config.served_model_name();
     let metrics = Arc::new(Metrics::new(&served_model_name)?);
     // Bound before any worker starts: a taken port fails the start with nothing to clean up.

@@ -6,12 +6,14 @@
 //! the GPT-2 byte-level split; `gpt2`/`default` use the byte-level split alone.
 
 use std::path::Path;
+use std::sync::OnceLock;
 
 use rivulet_gguf::{GgufError, GgufFile};
 use serde_json::{json, Value};
 use thiserror::Error;
 use tokenizers::Tokenizer;
 
+use crate::byte_pieces::BytePieces;
 use crate::chat_template::{ChatTemplate, ChatTemplateError};
 
 /// GGUF token types (llama.cpp `llama_token_type`).
@@ -37,6 +39,8 @@ pub struct ModelTokenizer {
     inner: Tokenizer,
     vocab_size: u32,
     chat_template: Option<ChatTemplate>,
+    /// Built on first use (see [`Self::byte_pieces`]).
+    byte_pieces: OnceLock<Option<BytePieces>>,
 }
 
 impl ModelTokenizer {
@@ -88,6 +92,7 @@ impl ModelTokenizer {
             inner,
             vocab_size,
             chat_template,
+            byte_pieces: OnceLock::new(),
         })
     }
 
@@ -122,6 +127,7 @@ impl ModelTokenizer {
             inner,
             vocab_size: tokens.len() as u32,
             chat_template,
+            byte_pieces: OnceLock::new(),
         })
     }
 
@@ -140,6 +146,12 @@ impl ModelTokenizer {
             .encode(text, false)
             .map_err(|e| TokenizerError::Encode(e.to_string()))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Each token's bytes, where the decoder is byte-level alone (see [`BytePieces`]); built on
+    /// the first call (a decode of every token: call it once before serving).
+    pub fn byte_pieces(&self) -> Option<&BytePieces> {
+        self.byte_pieces.get_or_init(|| BytePieces::build(&self.inner)).as_ref()
     }
 
     /// Text of `ids`, without control tokens (EOS and the like).
