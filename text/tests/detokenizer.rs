@@ -59,7 +59,7 @@ fn byte_path_emits_what_the_window_path_emits() {
                     .wrapping_add(1_442_695_040_888_963_407);
                 let r = (state >> 33) as u32;
                 // Half of them among the first 512 ids, where the single-byte tokens are.
-                if r % 2 == 0 {
+                if r.is_multiple_of(2) {
                     r % 512
                 } else {
                     r % (vocab + 8)
