@@ -48,7 +48,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let byte_level = tokenizer.byte_pieces().is_some();
     tracing::info!(
         byte_level,
-        "detokenizer: token bytes appended where byte_level, else windows decoded"
+        "detokenizer ready (byte_level: each token's bytes appended; otherwise windows of tokens decoded)"
     );
     let served_model_name = config.served_model_name();
     let metrics = Arc::new(Metrics::new(&served_model_name)?);

@@ -5,7 +5,7 @@
 //! window was the scheduler's largest cost per token. Kept only where every token's bytes read
 //! back as the tokenizer's own decode of that token, so any other decoder keeps the general path.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use tokenizers::{DecoderWrapper, Tokenizer};
 
@@ -60,7 +60,7 @@ impl BytePieces {
 
 /// GPT-2's byte-level alphabet, char → byte: printable Latin-1 bytes stand for themselves, the
 /// other 68 bytes for the chars from U+0100 on, in byte order.
-fn char_bytes() -> std::collections::HashMap<char, u8> {
+fn char_bytes() -> HashMap<char, u8> {
     let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
     let mut shifted = 0u32;
     (0..=255u8)
