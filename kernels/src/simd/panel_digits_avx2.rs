@@ -44,7 +44,7 @@ use std::arch::x86_64::*;
 
 use super::panel_digits_vnni::has_avx512_vnni;
 #[cfg(target_arch = "x86_64")]
-use super::panel_gemv::prefetch_ahead;
+use super::panel_gemv::prefetch_streamed;
 use super::panels::{Kind, Panels, Q4_BLOCK, SCALES};
 use super::{has_avx2, PANEL};
 
@@ -268,7 +268,7 @@ unsafe fn q4_digits(
         let mut totals = [_mm256_setzero_ps(); 2];
         for block in 0..blocks {
             let base = w.add(block * Q4_BLOCK);
-            prefetch_ahead(base, Q4_BLOCK);
+            prefetch_streamed(base, Q4_BLOCK);
             let nibbles = base.add(2 * SCALES);
             let lines = digits.add(block * DIGITS * 64);
             // Per digit, 16-bit sums of the 16 rows (word r: row r) over the low nibbles' columns
