@@ -172,25 +172,25 @@ pub(super) fn prefetch_ahead(base: *const u8, block_bytes: usize) {
 
 /// Blocks ahead that the AVX2 one-token digit kernel ([`super::panel_digits_avx2`]) fetches,
 /// through [`prefetch_streamed`].
-pub(super) const STREAMED_PREFETCH_BLOCKS: usize = 8;
+const STREAMED_PREFETCH_BLOCKS: usize = 8;
 
 /// Fetches the block [`STREAMED_PREFETCH_BLOCKS`] after the one at `base` (`block_bytes` each)
 /// as non-temporal (`prefetchnta`): into L1 for the kernel's loads, marked as data the caches
 /// need not keep (a one-token step reads each weight once). A hint only, as [`prefetch_ahead`].
 ///
-/// Why: on a Zen 3 EPYC (2 vCPUs, AVX2 only) the digit kernel's streamed projections took as
-/// long as their arithmetic from cache plus their reads from memory, the two hardly overlapped.
-/// SmolLM2's 4-bit projections for one token (`cargo bench -p rivulet-kernels --bench
-/// projections -- 2 1 Q4_1`, six alternating runs) took 4.87–5.96 ms a step (median 5.15) this
-/// way against 5.58–6.18 (median 5.88) with [`prefetch_ahead`]'s `prefetcht0` four blocks ahead;
-/// 6.46–8.68 ms against 7.64–9.16 on one thread; the whole one-token step (`rivulet-worker-bench`
-/// batch 1 at context 256, 100 steps a run, builds alternating) 6.80–9.92 ms (median 8.3 over
-/// fourteen runs) against 7.96–11.02 (median 8.7). `prefetchnta` 12 blocks ahead measured as 8,
-/// 6 worse; `prefetcht0` 8 to 16 ahead within the noise of 4; a fetch of each task's first
-/// blocks before its loop (as [`Panels::fetch_pairs_start`] does for the pair kernels) no
-/// better. The f32 kernels of a few rows
-/// ([`super::panel_gemv_avx2`]), bound by their arithmetic, measured level (4-bit) or slower
-/// (Q8_0 at two rows) with it, so they keep [`prefetch_ahead`].
+/// Why: on a Zen 3 EPYC (2 vCPUs, AVX2 only) the digit kernel's streamed projections took about
+/// as long as their arithmetic from cache plus their reads from memory: the two hardly
+/// overlapped. SmolLM2's 4-bit projections for one token (`cargo bench -p rivulet-kernels
+/// --bench projections -- 2 1 Q4_1`, six alternating runs) took 4.87–5.96 ms a step (median
+/// 5.15) this way against 5.58–6.18 (median 5.88) with [`prefetch_ahead`]'s `prefetcht0` four
+/// blocks ahead, and 6.46–8.68 ms against 7.64–9.16 on one thread; the whole one-token step
+/// (`rivulet-worker-bench` batch 1 at context 256, 100 steps a run, builds alternating)
+/// 6.80–9.92 ms (median 8.3 over fourteen runs) against 7.96–11.02 (median 8.7). `prefetchnta`
+/// 12 blocks ahead measured as 8, 6 worse; `prefetcht0` 16 ahead as fast in the kernel alone
+/// but no faster than 4 in whole steps; a fetch of each task's first blocks before its loop (as
+/// [`Panels::fetch_pairs_start`] does for the pair kernels) no better. The f32 kernels of a few
+/// rows ([`super::panel_gemv_avx2`]), bound by their arithmetic, measured level (4-bit) or
+/// slower (Q8_0 at two rows) with it, so they keep [`prefetch_ahead`].
 #[cfg(target_arch = "x86_64")]
 pub(super) fn prefetch_streamed(base: *const u8, block_bytes: usize) {
     prefetch_block::<_MM_HINT_NTA>(base.wrapping_add(STREAMED_PREFETCH_BLOCKS * block_bytes), block_bytes);
