@@ -172,6 +172,7 @@ pub(super) fn prefetch_ahead(base: *const u8, block_bytes: usize) {
 
 /// Blocks ahead that the AVX2 one-token digit kernel ([`super::panel_digits_avx2`]) fetches,
 /// through [`prefetch_streamed`].
+#[cfg(target_arch = "x86_64")]
 const STREAMED_PREFETCH_BLOCKS: usize = 8;
 
 /// Fetches the block [`STREAMED_PREFETCH_BLOCKS`] after the one at `base` (`block_bytes` each)
