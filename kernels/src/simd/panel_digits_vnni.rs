@@ -6,8 +6,9 @@
 //!
 //! Why: the AVX-512BW kernel ([`super::panel_digits_avx512`]) spends two instructions per
 //! multiply (`vpmaddubsw`, then a 16-bit add) and joins its 16-bit sums into 32-bit ones per
-//! block. `vpdpbusd` accumulates straight into 32-bit sums, so a block of two panels costs ~150
-//! instructions instead of ~230; and this kernel fetches its weights into L2 far ahead
+//! block. `vpdpbusd` accumulates straight into 32-bit sums, so a block of two panels costs ~125
+//! instructions instead of ~230 (~150 before one permute put each pair of column pairs in row
+//! order: below); and this kernel fetches its weights into L2 far ahead
 //! ([`super::panel_gemv::L2_PREFETCH_BLOCKS`], in reading order through
 //! [`super::panel_gemv::PairAhead`]), which a step bound by memory needs more.
 //! Measured on a Xeon (Emerald Rapids, 2 threads): one layer's projections kept in cache
@@ -18,12 +19,18 @@
 //!
 //! Layout: the panels keep their one layout ([`super::panels`]): 16-bit word `r` of a 32-byte
 //! column pair `p` holds row `r`'s values `(2p, 2p + 1)` once the nibbles are masked apart.
-//! Interleaving the words of pairs `2g` and `2g + 1` (`vpunpcklwd`/`vpunpckhwd`) makes each
-//! 32-bit word one row's values `4g..4g + 4` (or `4g + 16..4g + 20` for the high nibbles),
-//! what `vpdpbusd` multiplies by the broadcast digits `D[4g..4g + 4]`, in order
-//! ([`super::panel_digits_avx2::DigitQuads`]). As in the BW kernel, each 512-bit vector holds
-//! panel `A`'s bytes in its low 256 bits and panel `B`'s in the high ones, so the interleaved
-//! vectors hold rows 0..4 and 8..12 (`lo`) or 4..8 and 12..16 (`hi`) of `A`, then of `B`.
+//! Pairs `2g` and `2g + 1` of a panel lie side by side, so one 64-byte load holds both, and one
+//! `vpermw` interleaves their words ([`INTERLEAVE_PAIRS`]): each 32-bit word is then one row's
+//! values `4g..4g + 4` (or `4g + 16..4g + 20` for the high nibbles), rows in order, what
+//! `vpdpbusd` multiplies by the broadcast digits `D[4g..4g + 4]`
+//! ([`super::panel_digits_avx2::DigitQuads`]). (The first version loaded each pair of both
+//! panels as 256-bit halves of one vector and interleaved them with `vpunpcklwd`/`vpunpckhwd`,
+//! which work within 128-bit lanes and left the rows to be put back in order per block: per
+//! group of four columns four loads, two inserts and four unpacks where this takes two permutes
+//! of a load each. On a Zen 4, one layer's projections kept in cache, `PROJECTIONS_BEST_ONLY=1
+//! PROJECTIONS_DISTINCT=1 cargo bench -p rivulet-kernels --bench projections -- 1 1 Q4_1`:
+//! 2.37–2.39 ms a step against 2.69–2.74, four alternating runs; from memory on two threads
+//! both at the read rate.)
 //!
 //! The 32-bit sums are the BW kernel's (`Σ q·D` per digit, the leading two joined as
 //! `256·ΣqD0 + ΣqD1`, exact below 2²⁴), and the scaling is the same arithmetic in the same
@@ -63,6 +70,18 @@ pub fn has_avx512_vnni() -> bool {
 /// Groups of four columns per half block (pairs `2g` and `2g + 1` of the panel's column pairs).
 const GROUPS: usize = 4;
 
+/// `vpermw`'s indices for [`q4_digits_pair_vnni`]: word `2r` of the result from word `r` of a
+/// 64-byte load (column pair `2g`'s row `r`), word `2r + 1` from word `16 + r` (pair `2g + 1`'s).
+const INTERLEAVE_PAIRS: [u16; 32] = {
+    let mut indices = [0u16; 32];
+    let mut i = 0;
+    while i < 32 {
+        indices[i] = (i / 2 + 16 * (i % 2)) as u16;
+        i += 1;
+    }
+    indices
+};
+
 /// The 16 rows of each of two 4-bit panels times one row's digits (see the module docs), called
 /// through [`Panels::product_digits_pair`].
 #[cfg(target_arch = "x86_64")]
@@ -80,12 +99,9 @@ pub(super) unsafe fn q4_digits_pair_vnni(
     // `blocks` values, `out` `2 · PANEL` (caller).
     unsafe {
         let low_nibbles = _mm512_set1_epi8(0x0F);
-        // Rows 0..16 of a panel from the `lo` and `hi` sums (see the module's layout), as in
-        // the BW kernel.
-        let order = [
-            _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
-            _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31),
-        ];
+        // Word `2r` from word `r` (pair `2g`'s row `r`) and word `2r + 1` from word `16 + r`
+        // (pair `2g + 1`'s): each 32-bit word one row's four values, rows in order.
+        let interleave = _mm512_loadu_si512(INTERLEAVE_PAIRS.as_ptr().cast());
         let mut totals = [_mm512_setzero_ps(); 2];
         let mut far = PairAhead::new(L2_PREFETCH_BLOCKS, blocks);
         let mut near = PairAhead::new(PREFETCH_BLOCKS, blocks);
@@ -95,40 +111,27 @@ pub(super) unsafe fn q4_digits_pair_vnni(
             prefetch_pair::<_MM_HINT_T0>(panels, near.advance(), Q4_BLOCK);
             let nibbles = bases.map(|base| base.add(2 * SCALES));
             let lines = digits.add(block * DIGITS * 32).cast::<i32>();
-            // Per digit, per `lo`/`hi` rows, per low/high nibbles: 32-bit sums (separate chains,
-            // so that `vpdpbusd`'s latency stays hidden).
+            // Per digit, per panel, per low/high nibbles: 32-bit sums (separate chains, so that
+            // `vpdpbusd`'s latency stays hidden).
             let mut sums32 = [[[_mm512_setzero_si512(); 2]; 2]; DIGITS];
             for group in 0..GROUPS {
-                // Both panels' column pairs `2g` and `2g + 1`.
-                let pair = |p: usize| {
-                    let low = _mm256_loadu_si256(nibbles[0].add(32 * p).cast());
-                    let high = _mm256_loadu_si256(nibbles[1].add(32 * p).cast());
-                    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low), high)
-                };
-                let (even, odd) = (pair(2 * group), pair(2 * group + 1));
-                let low = [_mm512_and_si512(even, low_nibbles), _mm512_and_si512(odd, low_nibbles)];
-                let high = [
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(even), low_nibbles),
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(odd), low_nibbles),
-                ];
-                // `[nibbles][rows]`: 32-bit word = one row's four values.
-                let quads = [
-                    [
-                        _mm512_unpacklo_epi16(low[0], low[1]),
-                        _mm512_unpackhi_epi16(low[0], low[1]),
-                    ],
-                    [
-                        _mm512_unpacklo_epi16(high[0], high[1]),
-                        _mm512_unpackhi_epi16(high[0], high[1]),
-                    ],
-                ];
+                // `[panel][nibbles]`: 32-bit word `r` = row `r`'s values `4g..4g + 4` (low
+                // nibbles) or `4g + 16..4g + 20` (high), from column pairs `2g` and `2g + 1`,
+                // which lie side by side (64 bytes).
+                let mut quads = [[_mm512_setzero_si512(); 2]; 2];
+                for (quads, nibbles) in quads.iter_mut().zip(nibbles) {
+                    let both = _mm512_loadu_si512(nibbles.add(64 * group).cast());
+                    let rows = _mm512_permutexvar_epi16(interleave, both);
+                    quads[0] = _mm512_and_si512(rows, low_nibbles);
+                    quads[1] = _mm512_and_si512(_mm512_srli_epi16::<4>(rows), low_nibbles);
+                }
                 for (digit, sums) in sums32.iter_mut().enumerate() {
                     let line = lines.add(8 * digit);
-                    for (nibbles, weights) in quads.iter().enumerate() {
+                    for nibbles in 0..2 {
                         // Digits `4g..4g + 4`, or `4g + 16..4g + 20` for the high nibbles.
                         let x = _mm512_set1_epi32(*line.add(group + GROUPS * nibbles));
-                        for (rows, sums) in sums.iter_mut().enumerate() {
-                            sums[nibbles] = _mm512_dpbusd_epi32(sums[nibbles], weights[rows], x);
+                        for (sums, quads) in sums.iter_mut().zip(&quads) {
+                            sums[nibbles] = _mm512_dpbusd_epi32(sums[nibbles], quads[nibbles], x);
                         }
                     }
                 }
@@ -145,16 +148,14 @@ pub(super) unsafe fn q4_digits_pair_vnni(
             let s1 = _mm512_set1_ps(*scales.add(2 * block));
             let s2 = _mm512_set1_ps(*scales.add(2 * block + 1));
             let block_sum = _mm512_set1_ps(*sums.add(block));
-            let dots: [__m512; 2] = std::array::from_fn(|rows| {
-                let leading = _mm512_add_epi32(_mm512_slli_epi32::<8>(first[rows]), second[rows]);
-                _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(third[rows]),
+            let panel_sums = first.into_iter().zip(second).zip(third);
+            for ((total, base), ((first, second), third)) in totals.iter_mut().zip(bases).zip(panel_sums) {
+                let leading = _mm512_add_epi32(_mm512_slli_epi32::<8>(first), second);
+                let dot = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(third),
                     s2,
                     _mm512_mul_ps(_mm512_cvtepi32_ps(leading), s1),
-                )
-            });
-            for ((total, base), order) in totals.iter_mut().zip(bases).zip(order) {
-                let dot = _mm512_permutex2var_ps(dots[0], order, dots[1]);
+                );
                 let d = _mm512_cvtph_ps(_mm256_loadu_si256(base.cast()));
                 let offset = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(SCALES).cast()));
                 *total = _mm512_fmadd_ps(d, dot, _mm512_fmadd_ps(offset, block_sum, *total));
