@@ -99,8 +99,6 @@ pub(super) unsafe fn q4_digits_pair_vnni(
     // `blocks` values, `out` `2 · PANEL` (caller).
     unsafe {
         let low_nibbles = _mm512_set1_epi8(0x0F);
-        // Word `2r` from word `r` (pair `2g`'s row `r`) and word `2r + 1` from word `16 + r`
-        // (pair `2g + 1`'s): each 32-bit word one row's four values, rows in order.
         let interleave = _mm512_loadu_si512(INTERLEAVE_PAIRS.as_ptr().cast());
         let mut totals = [_mm512_setzero_ps(); 2];
         let mut far = PairAhead::new(L2_PREFETCH_BLOCKS, blocks);
