@@ -495,21 +495,20 @@ impl WeightMatrix {
                 Path::PackedAvx512 => SCRATCH.with_borrow_mut(|scratch| {
                     // `PackedAvx512` is chosen only where panels exist.
                     if let Some(panels) = &self.panels {
-                        scratch.sums.resize(batch * 2 * simd::PANEL, 0.0);
                         for panel in (first..last).step_by(2 * simd::PANEL) {
                             let rows = (2 * simd::PANEL).min(last - panel);
                             let (index, count) = (panel / simd::PANEL, rows.div_ceil(simd::PANEL));
                             let (decoded, sums) = (&mut scratch.packed, &mut scratch.sums);
-                            panels.product_packed_avx512(index, count, x, self.cols, batch, decoded, sums);
-                            output.store_rows(0..batch, first_column + panel, rows, &scratch.sums, 2 * simd::PANEL);
+                            let sums = panels.product_packed_avx512(index, count, x, self.cols, batch, decoded, sums);
+                            output.store_rows(0..batch, first_column + panel, rows, sums, 2 * simd::PANEL);
                         }
                     }
                 }),
                 Path::Packed => SCRATCH.with_borrow_mut(|scratch| {
                     for panel in (first..last).step_by(simd::PANEL) {
                         let rows = simd::PANEL.min(last - panel);
-                        self.panel_product(panel, rows, last, x, batch, scratch);
-                        output.store_rows(0..batch, first_column + panel, rows, &scratch.sums, simd::PANEL);
+                        let sums = self.panel_product(panel, rows, last, x, batch, scratch);
+                        output.store_rows(0..batch, first_column + panel, rows, sums, simd::PANEL);
                     }
                 }),
                 Path::Portable => SCRATCH.with_borrow_mut(|scratch| {
@@ -528,27 +527,29 @@ impl WeightMatrix {
     /// Fills `scratch.sums` (`[batch][PANEL]`) with rows `first..first + rows` (at most
     /// `PANEL`) times `x`, one column tile of `PACKED_TILE` at a time. `task_end` ends the
     /// calling task's rows: the next panel is prefetched only if it is the task's own.
-    fn panel_product(
+    fn panel_product<'s>(
         &self,
         first: usize,
         rows: usize,
         task_end: usize,
         x: &[f32],
         batch: usize,
-        scratch: &mut Scratch,
-    ) {
+        scratch: &'s mut Scratch,
+    ) -> &'s [f32] {
         let Scratch {
             tile,
             sums,
             decoded,
             packed,
         } = scratch;
-        sums.clear();
-        sums.resize(batch * simd::PANEL, 0.0);
-        packed.resize(PACKED_TILE * simd::PANEL, 0.0);
+        // Both from a cache line on (`simd::cache_aligned`): 256-bit loads and stores that
+        // never straddle two.
+        let sums = simd::cache_aligned(sums, batch * simd::PANEL);
+        sums.fill(0.0);
+        let packed = simd::cache_aligned(packed, PACKED_TILE * simd::PANEL);
         if let Some(panels) = &self.panels {
             self.product_from_panels(panels, first, task_end, x, batch, sums, packed);
-            return;
+            return sums;
         }
         tile.resize(simd::PANEL * PACKED_TILE, 0.0);
         let mut start = 0;
@@ -573,6 +574,7 @@ impl WeightMatrix {
             simd::gemm_panel_avx2(packed, len, &x[start..], self.cols, batch, sums);
             start += len;
         }
+        sums
     }
 
     /// [`Self::panel_product`] from the panels: each tile of [`PACKED_TILE`] columns decodes

@@ -145,6 +145,19 @@ fn strided_len(count: usize, stride: usize, last: usize) -> Option<usize> {
     }
 }
 
+/// `len` values of `buffer` (whatever it held) starting on a cache line, growing it as needed.
+/// Why: the heap hands a `Vec<f32>` out 16-byte aligned, so every 512-bit load or store of a
+/// scratch buffer the batched kernels stream through (decoded weights, partial sums) touched two
+/// cache lines, and a 256-bit one every other time: aligned, Zen 4's steps of 32 and 64 rows
+/// and its 256-token prefills ran 1–5% faster (the thirty-third round). (Should `align_offset`
+/// not answer, the slice starts at the buffer's start: unaligned, still correct.)
+pub fn cache_aligned(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    const LINE: usize = 64 / size_of::<f32>();
+    buffer.resize(len + LINE - 1, 0.0);
+    let skip = buffer.as_ptr().align_offset(64).min(LINE - 1);
+    &mut buffer[skip..skip + len]
+}
+
 /// Formats the AVX2 decoder handles; the others go through the portable decoder.
 pub fn avx2_decodes(format: GgmlType) -> bool {
     matches!(

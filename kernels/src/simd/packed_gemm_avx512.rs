@@ -21,7 +21,7 @@ use std::arch::x86_64::*;
 #[cfg(target_arch = "x86_64")]
 use super::panels::{four_columns_512, nibble_columns};
 use super::panels::{Kind, Panels, Q4_BLOCK, Q8_BLOCK, SCALES};
-use super::{fits, has_avx512, strided_len, PANEL};
+use super::{cache_aligned, fits, has_avx512, strided_len, PANEL};
 
 /// Activation rows per register tile: 24 accumulators (two panels a row) of the 32 registers,
 /// the rest for the weights.
@@ -65,9 +65,10 @@ fn row_tiles(batch: usize) -> impl Iterator<Item = (usize, usize)> {
 impl Panels {
     /// `sums[b][r] = Σ_k x[b][k] · w[panel · PANEL + r][k]` for every activation row `b < batch`
     /// (row `b` of `x` at `b * x_stride`) and `r < count · PANEL` (`count` is 1 or 2 panels from
-    /// `panel`; `sums`' rows are `2 · PANEL` apart), decoding into `decoded` (resized as needed).
+    /// `panel`; the returned part of `sums`, rows `2 · PANEL` apart), decoding into `decoded`
+    /// (both resized as needed, and used from a cache line on: [`cache_aligned`]).
     #[allow(clippy::too_many_arguments)]
-    pub fn product_packed_avx512(
+    pub fn product_packed_avx512<'s>(
         &self,
         panel: usize,
         count: usize,
@@ -75,14 +76,14 @@ impl Panels {
         x_stride: usize,
         batch: usize,
         decoded: &mut Vec<f32>,
-        sums: &mut [f32],
-    ) {
+        sums: &'s mut Vec<f32>,
+    ) -> &'s [f32] {
         assert!(has_avx512() && (1..=2).contains(&count) && panel + count <= self.panel_count());
         let blocks = self.blocks_per_row();
         let cols = blocks * 32;
         assert!(batch == 0 || (cols <= x_stride && fits(x.len(), strided_len(batch, x_stride, cols))));
-        assert!(fits(sums.len(), batch.checked_mul(PAIR)));
-        decoded.resize(TILE_BLOCKS * 32 * PAIR, 0.0);
+        let sums = cache_aligned(sums, batch.checked_mul(PAIR).expect("a batch of sums fits in memory"));
+        let decoded = cache_aligned(decoded, TILE_BLOCKS * 32 * PAIR);
         for start in (0..blocks).step_by(TILE_BLOCKS) {
             let end = (start + TILE_BLOCKS).min(blocks);
             for half in 0..count {
@@ -117,6 +118,7 @@ impl Panels {
                 let _ = (tile, out);
             }
         }
+        sums
     }
 }
 
