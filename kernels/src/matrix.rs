@@ -524,8 +524,8 @@ impl WeightMatrix {
         Ok(())
     }
 
-    /// Fills `scratch.sums` (`[batch][PANEL]`) with rows `first..first + rows` (at most
-    /// `PANEL`) times `x`, one column tile of `PACKED_TILE` at a time. `task_end` ends the
+    /// Rows `first..first + rows` (at most `PANEL`) times `x` as `[batch][PANEL]` sums (in
+    /// `scratch.sums`), one column tile of `PACKED_TILE` at a time. `task_end` ends the
     /// calling task's rows: the next panel is prefetched only if it is the task's own.
     fn panel_product<'s>(
         &self,
