@@ -258,9 +258,9 @@ fn main() -> anyhow::Result<()> {
     );
     for (name, engine, weight_bytes) in &mut runs {
         // Each kind of step against the roofline of the rates measured on either side of it.
-        // `flops`: the step's, all tokens together.
-        let report = |step: &str, (seconds, rates): (f64, Rates), tokens: i64, flops: f64| {
-            let flops = flops / tokens as f64;
+        // `step_flops`: the step's, all tokens together.
+        let report = |step: &str, (seconds, rates): (f64, Rates), tokens: i64, step_flops: f64| {
+            let flops = step_flops / tokens as f64;
             let compute_bound = rates.gflops * 1e9 / flops;
             let bandwidth_bound = tokens as f64 * rates.bandwidth * 1e9 / *weight_bytes;
             let roofline = compute_bound.min(bandwidth_bound);
@@ -295,7 +295,7 @@ fn main() -> anyhow::Result<()> {
         let measured = probes.beside(4, || engine.prefill(context, blocks_per_seq));
         // A prefill's attention averages half the context; its head runs for one row only (until
         // the thirty-third round every token's head was counted, which put 256-token prefills
-        // at 95–106% of the FMA peak instead of ~83%).
+        // at 95–106% of the FMA peak instead of 74–85%).
         let flops = context as f64 * flops_through_layers(&config, context / 2) + head_flops(&config);
         report(&format!("prefill {context} tokens"), measured, context, flops);
     }
