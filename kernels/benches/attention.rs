@@ -1,9 +1,9 @@
 //! Decode attention alone: `batch` sequences at `context` keys over `layers` layers' paged
-//! caches (SmolLM2's 9 query heads, 3 KV heads of 64, blocks of 16), each layer's cache visited
+//! caches (SmolLM2's 9 query heads, 3 KV heads of 64, blocks of 16 unless told), each layer's cache visited
 //! `repeats` times a step; ms per step (the median of 15) and GB/s of keys and values read.
 //!
 //! `cargo bench -p rivulet-kernels --bench attention [-- threads [batch [context [layers
-//! [repeats]]]]]` (defaults 2 32 256 30 1). With 30 layers a 32-sequence step's 377 MB come from
+//! [repeats [block_size]]]]]]` (defaults 2 32 256 30 1 16). With 30 layers a 32-sequence step's 377 MB come from
 //! memory; `-- 1 4 256 1 100` keeps one 1.6 MB layer in L2 where L2 holds it (the Xeon's 2 MB;
 //! not Zen 4's 1 MB: `-- 1 2 256 1 200` there), which times the arithmetic, plus rayon's
 //! hand-off for each of the 100 calls (~30% of the thread's time in a profile on 2 vCPUs).
@@ -28,6 +28,7 @@ fn arg(n: usize, default: usize) -> usize {
 
 fn main() {
     let (threads, batch, context, layers, repeats) = (arg(1, 2), arg(2, 32), arg(3, 256), arg(4, 30), arg(5, 1));
+    let block_size = arg(6, 16);
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build_global()
@@ -36,7 +37,7 @@ fn main() {
         heads: 9,
         kv_heads: 3,
         head_dim: 64,
-        block_size: 16,
+        block_size,
     };
     let blocks_per_seq = (context + 1).div_ceil(shape.block_size);
     let layer_len = batch * blocks_per_seq * shape.block_size * shape.kv_heads * shape.head_dim;
@@ -70,7 +71,7 @@ fn main() {
         paged_attention(shape, &queries, q_width, &tokens, k, v, &mut out);
     });
     println!(
-        "threads {threads} batch {batch} context {context} layers {layers}: {:.2} ms/step, {:.1} GB/s ({:.1} MB)",
+        "threads {threads} batch {batch} context {context} layers {layers} blocks of {block_size}: {:.2} ms/step, {:.1} GB/s ({:.1} MB)",
         median * 1e3,
         bytes / median / 1e9,
         bytes / 1e6
@@ -104,7 +105,7 @@ fn main() {
         std::hint::black_box(total);
     });
     println!(
-        "  the same bytes read in the same 4 KiB runs, nothing computed: {:.2} ms/step, {:.1} GB/s (attention at {:.0}% of it)",
+        "  the same bytes read in the same runs (a block's rows of one KV head), nothing computed: {:.2} ms/step, {:.1} GB/s (attention at {:.0}% of it)",
         plain * 1e3,
         bytes / plain / 1e9,
         100.0 * plain / median

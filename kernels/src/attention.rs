@@ -11,10 +11,18 @@
 //! two pairs and the other with one), each pair's keys are also split into parts scored in
 //! parallel, each with its own maximum and sum, and the parts are merged by rescaling to the
 //! common maximum (flash-decoding). The result is the same softmax, summed in another order.
+//!
+//! A prompt chunk's consecutive tokens read the same key rows (each sees one more), so where
+//! the CPU has the loop for it they are scored in runs, each row once for the whole run
+//! (`prompt_runs`): 2048-token prefills ~10% faster on a Zen 4 EPYC.
 
 use rayon::prelude::*;
 
-use crate::{exp_in_place, score_keys, weighted_rows};
+use crate::{exp_in_place, prompt_scores_take, score_keys, weighted_rows};
+
+mod prompt_runs;
+
+use prompt_runs::{attend_by_prompt_runs, same_prompt};
 
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
@@ -153,6 +161,15 @@ fn attention_in_parts(
             })
         })
         .collect();
+    if parts.len() == units
+        && prompt_scores_take(group, head_dim)
+        && tokens.windows(2).any(|w| same_prompt(&w[0], &w[1]))
+    {
+        // No pair was split, and some tokens are consecutive tokens of one prompt: those are
+        // scored together (`prompt_runs`).
+        attend_by_prompt_runs(shape, scale, queries, query_stride, tokens, keys, values, out);
+        return;
+    }
     if parts.len() == units {
         // No pair was split: each writes its normalized result straight into `out`.
         out[..units * group_width]
@@ -178,10 +195,7 @@ fn attention_in_parts(
                         total,
                         out_group,
                     );
-                    for (out_head, &total) in out_group.chunks_exact_mut(head_dim).zip(total.iter()) {
-                        let inverse = if total > 0.0 { total.recip() } else { 0.0 };
-                        out_head.iter_mut().for_each(|o| *o *= inverse);
-                    }
+                    normalize(out_group, total, head_dim);
                 });
             });
         return;
@@ -246,6 +260,14 @@ fn attention_in_parts(
                 out_head.iter_mut().for_each(|o| *o *= inverse);
             }
         });
+}
+
+/// Divides each head's weighted sum by its softmax total.
+fn normalize(out_group: &mut [f32], total: &[f32], head_dim: usize) {
+    for (out_head, &total) in out_group.chunks_exact_mut(head_dim).zip(total.iter()) {
+        let inverse = if total > 0.0 { total.recip() } else { 0.0 };
+        out_head.iter_mut().for_each(|o| *o *= inverse);
+    }
 }
 
 /// The key rows `part` reads.
@@ -509,28 +531,20 @@ mod tests {
         let mut random = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
         let keys = random(slots * width);
         let values = random(slots * width);
-        // Two sequences in shuffled blocks: one decodes at position 9, one is a 3-token chunk
-        // at positions 4..7 (its tokens see 5, 6 and 7 keys).
+        // Two sequences in shuffled blocks: one decodes at position 9, one is an 11-token chunk
+        // at positions 4..15 (its tokens see 5 to 15 keys: a run of `PROMPT_TILE_TOKENS` and a
+        // shorter one, each scored in passes of several tokens where the CPU has AVX-512).
         let table_a = [7i64, 2, 9];
-        let table_b = [3i64, 0];
-        let tokens = [
-            TokenKeys {
-                block_table: &table_a,
-                visible: 10,
-            },
-            TokenKeys {
-                block_table: &table_b,
-                visible: 5,
-            },
-            TokenKeys {
-                block_table: &table_b,
-                visible: 6,
-            },
-            TokenKeys {
-                block_table: &table_b,
-                visible: 7,
-            },
-        ];
+        let table_b = [3i64, 0, 5, 8];
+        let tokens: Vec<TokenKeys<'_>> = std::iter::once(TokenKeys {
+            block_table: &table_a,
+            visible: 10,
+        })
+        .chain((5..=15).map(|visible| TokenKeys {
+            block_table: &table_b,
+            visible,
+        }))
+        .collect();
         let q_width = shape.heads * shape.head_dim;
         let stride = q_width + 5; // queries sit inside wider rows, as in a fused QKV output
         let queries = random(tokens.len() * stride);

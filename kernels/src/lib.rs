@@ -55,4 +55,4 @@ pub enum KernelError {
 }
 
 /// Vector helpers shared by the kernels' modules.
-pub(crate) use simd::{dot, exp_in_place, score_keys, weighted_rows};
+pub(crate) use simd::{dot, exp_in_place, prompt_scores_take, score_keys, score_prompt_keys, weighted_rows};

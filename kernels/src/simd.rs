@@ -1,7 +1,7 @@
 //! The crate's only `unsafe` (here and in its children [`row_gemv`], [`packed_gemm`],
 //! [`packed_gemm_avx512`], [`gemv_q4_1`], [`panels`], [`panel_gemv`], [`panel_gemv_avx2`],
 //! [`panel_pair_gemv`], [`panel_digits_avx2`], [`panel_digits_avx512`], [`panel_digits_vnni`],
-//! [`amx`] and [`grouped_heads`]): AVX2 + FMA +
+//! [`amx`], [`grouped_heads`] and [`prompt_scores`]): AVX2 + FMA +
 //! F16C code paths, AVX-512 ones, an AMX one (with its own invariants, stated there), and the
 //! output handle that lets parallel tasks write disjoint columns of one matrix.
 //!
@@ -41,6 +41,7 @@ mod panel_gemv_avx2;
 mod panel_pair_gemv;
 mod panels;
 mod peak;
+mod prompt_scores;
 mod row_gemv;
 pub use amx::{has_amx, SplitActivations, Tiles, AMX_PANELS};
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
@@ -54,6 +55,7 @@ pub use panel_gemv::{block_sums, PANEL_GEMV_ROWS};
 pub use panel_pair_gemv::PANEL_PAIR_MIN_ROWS;
 pub use panels::Panels;
 pub use peak::fma_peak_gflops_on;
+pub use prompt_scores::{prompt_scores_take, score_prompt_keys};
 pub use row_gemv::{gemv_decodes, gemv_rows_avx2, GEMV_MAX_BATCH};
 
 /// Whether this CPU runs the AVX2 paths (detected once; `RIVULET_KERNELS_PORTABLE=1` forces the

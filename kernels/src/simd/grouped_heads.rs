@@ -425,7 +425,7 @@ unsafe fn score_keys_avx2<const G: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-fn sums_of_eight(vectors: &[__m256; 8], used: usize) -> __m256 {
+pub(super) fn sums_of_eight(vectors: &[__m256; 8], used: usize) -> __m256 {
     let v = vectors;
     // Each 128-bit lane of a `hadd` holds pair sums of its two inputs' same lanes.
     let low = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
