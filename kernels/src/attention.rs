@@ -179,23 +179,7 @@ fn attention_in_parts(
                 let rows = key_rows(shape, tokens, part);
                 let query_group = query_group_of(queries, query_stride, group_width, shape, part.unit);
                 SCRATCH.with_borrow_mut(|scratch| {
-                    let (scores, offsets, stats) = (&mut scratch.0, &mut scratch.1, &mut scratch.2);
-                    stats.resize(2 * group, 0.0);
-                    let (max, total) = stats.split_at_mut(group);
-                    attend_part(
-                        shape,
-                        scale,
-                        query_group,
-                        rows,
-                        keys,
-                        values,
-                        scores,
-                        offsets,
-                        max,
-                        total,
-                        out_group,
-                    );
-                    normalize(out_group, total, head_dim);
+                    attend_whole(shape, scale, query_group, rows, keys, values, scratch, out_group)
                 });
             });
         return;
@@ -262,6 +246,39 @@ fn attention_in_parts(
         });
 }
 
+/// An unsplit (token, KV head) pair: [`attend_part`] over all its keys, normalized into
+/// `out_group`.
+#[allow(clippy::too_many_arguments)]
+fn attend_whole(
+    shape: AttentionShape,
+    scale: f32,
+    query_group: &[f32],
+    rows: KeyRows<'_>,
+    keys: &[f32],
+    values: &[f32],
+    scratch: &mut Scratch,
+    out_group: &mut [f32],
+) {
+    let group = shape.group();
+    let (scores, offsets, stats) = (&mut scratch.0, &mut scratch.1, &mut scratch.2);
+    stats.resize(2 * group, 0.0);
+    let (max, total) = stats.split_at_mut(group);
+    attend_part(
+        shape,
+        scale,
+        query_group,
+        rows,
+        keys,
+        values,
+        scores,
+        offsets,
+        max,
+        total,
+        out_group,
+    );
+    normalize(out_group, total, shape.head_dim);
+}
+
 /// Divides each head's weighted sum by its softmax total.
 fn normalize(out_group: &mut [f32], total: &[f32], head_dim: usize) {
     for (out_head, &total) in out_group.chunks_exact_mut(head_dim).zip(total.iter()) {
@@ -292,11 +309,12 @@ fn query_group_of(
     &queries[first..first + group_width]
 }
 
+/// `[keys][group]` scores, the key/value rows' offsets and `[2][group]` maxima and sums.
+type Scratch = (Vec<f32>, Vec<usize>, Vec<f32>);
+
 thread_local! {
-    /// `[keys][group]` scores, the key/value rows' offsets and `[2][group]` maxima and sums,
-    /// reused across calls.
-    static SCRATCH: std::cell::RefCell<(Vec<f32>, Vec<usize>, Vec<f32>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    /// Each thread's [`Scratch`], reused across calls.
+    static SCRATCH: std::cell::RefCell<Scratch> = const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 /// Which key rows a part reads: keys `keys` of what `token` sees, for KV head `kv_head`.

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::{attend_part, normalize, softmax_numerators, AttentionShape, KeyRows, TokenKeys, SCRATCH};
+use super::{attend_whole, normalize, softmax_numerators, AttentionShape, KeyRows, TokenKeys, SCRATCH};
 use crate::{score_prompt_keys, weighted_rows};
 
 /// Whether `next` is the token after `token` in the same prompt: the same block table, one more
@@ -21,7 +21,7 @@ const PROMPT_TILE_TOKENS: usize = 8;
 /// Attention for every token when no pair is split, runs of consecutive tokens of one prompt
 /// (up to [`PROMPT_TILE_TOKENS`]) a task: their keys are the same rows (each token sees one
 /// more), so the run's scores come from one pass over the last token's keys
-/// ([`score_prompt_keys`]), then each token's softmax and weighted sum as [`attend_part`]'s.
+/// ([`score_prompt_keys`]), then each token's softmax and weighted sum as for any other token.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attend_by_prompt_runs(
     shape: AttentionShape,
@@ -51,8 +51,6 @@ pub(super) fn attend_by_prompt_runs(
     }
     runs.par_iter().zip(outputs).for_each(|(run, out_run)| {
         SCRATCH.with_borrow_mut(|scratch| {
-            let (scores, offsets, stats) = (&mut scratch.0, &mut scratch.1, &mut scratch.2);
-            stats.resize(2 * group, 0.0);
             let last = tokens[run.end - 1];
             for kv_head in 0..shape.kv_heads {
                 let rows = KeyRows {
@@ -63,26 +61,14 @@ pub(super) fn attend_by_prompt_runs(
                 };
                 let first_query = run.start * query_stride + kv_head * group_width;
                 if run.len() == 1 {
-                    // A lone token (a decoding sequence's) as every other step scores it.
-                    let (max, total) = stats.split_at_mut(group);
+                    // A lone token (a decoding sequence's) as every other step attends it.
                     let out_group = &mut out_run[kv_head * group_width..][..group_width];
                     let query_group = &queries[first_query..first_query + group_width];
-                    attend_part(
-                        shape,
-                        scale,
-                        query_group,
-                        rows,
-                        keys,
-                        values,
-                        scores,
-                        offsets,
-                        max,
-                        total,
-                        out_group,
-                    );
-                    normalize(out_group, total, head_dim);
+                    attend_whole(shape, scale, query_group, rows, keys, values, scratch, out_group);
                     continue;
                 }
+                let (scores, offsets, stats) = (&mut scratch.0, &mut scratch.1, &mut scratch.2);
+                stats.resize(2 * group, 0.0);
                 rows.offsets_into(offsets);
                 let count = offsets.len();
                 scores.clear();
