@@ -1,12 +1,14 @@
 //! Decode attention alone: `batch` sequences at `context` keys over `layers` layers' paged
-//! caches (SmolLM2's 9 query heads, 3 KV heads of 64, blocks of 16 unless told), each layer's cache visited
-//! `repeats` times a step; ms per step (the median of 15) and GB/s of keys and values read.
+//! caches (SmolLM2's 9 query heads, 3 KV heads of 64, blocks of 16 unless told), each layer's
+//! cache visited `repeats` times a step; ms per step (the median of 15) and GB/s of keys and
+//! values read.
 //!
 //! `cargo bench -p rivulet-kernels --bench attention [-- threads [batch [context [layers
-//! [repeats [block_size]]]]]]` (defaults 2 32 256 30 1 16). With 30 layers a 32-sequence step's 377 MB come from
-//! memory; `-- 1 4 256 1 100` keeps one 1.6 MB layer in L2 where L2 holds it (the Xeon's 2 MB;
-//! not Zen 4's 1 MB: `-- 1 2 256 1 200` there), which times the arithmetic, plus rayon's
-//! hand-off for each of the 100 calls (~30% of the thread's time in a profile on 2 vCPUs).
+//! [repeats [block_size]]]]]]` (defaults 2 32 256 30 1 16). With 30 layers a 32-sequence
+//! step's 377 MB come from memory; `-- 1 4 256 1 100` keeps one 1.6 MB layer in L2 where L2
+//! holds it (the Xeon's 2 MB; not Zen 4's 1 MB: `-- 1 2 256 1 200` there), which times the
+//! arithmetic, plus rayon's hand-off for each of the 100 calls (~30% of the thread's time in a
+//! profile on 2 vCPUs).
 //! Block tables are shuffled, as a serving cache hands blocks out; `ATTENTION_IN_ORDER=1` gives
 //! each sequence consecutive blocks instead. A second line times the same keys and values read
 //! in the same runs and order with nothing computed (each run's successor fetched into L2, as
