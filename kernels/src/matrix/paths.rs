@@ -160,6 +160,18 @@ impl<'a> Product<'a> {
             pair_panels,
         }
     }
+
+    /// Stores `[rows][batch]` sums into the output columns of weight rows `row..row + rows`.
+    fn store_columns(&self, row: usize, rows: usize, sums: &[f32]) {
+        self.output.store_columns(self.first_column + row, rows, sums);
+    }
+
+    /// Stores activation rows `batch_rows` of `[batch][stride]` sums into the output columns of
+    /// weight rows `row..row + rows`.
+    fn store_rows(&self, batch_rows: Range<usize>, row: usize, rows: usize, sums: &[f32], stride: usize) {
+        self.output
+            .store_rows(batch_rows, self.first_column + row, rows, sums, stride);
+    }
 }
 
 impl WeightMatrix {
@@ -213,25 +225,24 @@ impl WeightMatrix {
     /// One or two activation rows against row-major Q4_1 blocks, four weight rows a pass, the
     /// blocks' minimum factored out (`simd::gemv_q4_1_avx2`).
     fn gemv_q4_1_task(&self, product: &Product, first: usize, last: usize) {
-        let (batch, output, first_column, q4_1_activations) = (
-            product.batch,
-            &product.output,
-            product.first_column,
-            &product.q4_1_activations,
-        );
+        let Product {
+            batch,
+            ref q4_1_activations,
+            ..
+        } = *product;
         let mut sums = [0f32; STRIP * simd::GEMV_Q4_1_MAX_BATCH];
         for row in (first..last).step_by(STRIP) {
             let rows = STRIP.min(last - row);
             let bytes = &self.data[row * self.row_bytes..(row + rows) * self.row_bytes];
             simd::gemv_q4_1_avx2(bytes, self.row_bytes, rows, q4_1_activations, &mut sums);
-            output.store_columns(first_column + row, rows, &sums[..rows * batch]);
+            product.store_columns(row, rows, &sums[..rows * batch]);
         }
     }
 
     /// A few activation rows against row-major blocks decoded in registers, four weight rows a
     /// pass (`simd::gemv_rows_avx2`).
     fn gemv_task(&self, product: &Product, first: usize, last: usize) {
-        let (x, batch, output, first_column) = (product.x, product.batch, &product.output, product.first_column);
+        let Product { x, batch, .. } = *product;
         let mut sums = [0f32; STRIP * simd::GEMV_MAX_BATCH];
         for row in (first..last).step_by(STRIP) {
             let rows = STRIP.min(last - row);
@@ -247,23 +258,22 @@ impl WeightMatrix {
                 batch,
                 &mut sums,
             );
-            output.store_columns(first_column + row, rows, &sums[..rows * batch]);
+            product.store_columns(row, rows, &sums[..rows * batch]);
         }
     }
 
     /// Activation rows against the panels decoded in registers (AVX-512): one row on its 8-bit
     /// digits, else eight rows a pass, two 4-bit panels at once where the task holds both.
     fn panel_gemv_task(&self, product: &Product, first: usize, last: usize) {
-        let (x, batch, output, first_column, block_sums, digits, pair_kernel, pair_panels) = (
-            product.x,
-            product.batch,
-            &product.output,
-            product.first_column,
-            &product.block_sums,
-            &product.digits,
-            product.pair_kernel,
-            product.pair_panels,
-        );
+        let Product {
+            x,
+            batch,
+            ref block_sums,
+            ref digits,
+            pair_kernel,
+            pair_panels,
+            ..
+        } = *product;
         SCRATCH.with_borrow_mut(|scratch| {
             // `PanelGemv` is chosen only where panels exist.
             if let (Some(panels), Some(_)) = (&self.panels, digits) {
@@ -277,7 +287,7 @@ impl WeightMatrix {
                 for panel in (first..last).step_by(2 * simd::PANEL) {
                     let rows = (2 * simd::PANEL).min(last - panel);
                     panels.product_digits_q8_vnni(panel / simd::PANEL, digits, &mut scratch.sums);
-                    output.store_rows(0..1, first_column + panel, rows, &scratch.sums, 2 * simd::PANEL);
+                    product.store_rows(0..1, panel, rows, &scratch.sums, 2 * simd::PANEL);
                 }
             } else if let (Some(panels), Some(digits)) = (&self.panels, digits) {
                 // One row's digits against 4-bit panels, two panels a pass (the last of
@@ -291,7 +301,7 @@ impl WeightMatrix {
                     } else {
                         panels.product_digits_avx2(panel / simd::PANEL, digits, block_sums, &mut scratch.sums);
                     }
-                    output.store_rows(0..1, first_column + panel, rows, &scratch.sums, 2 * simd::PANEL);
+                    product.store_rows(0..1, panel, rows, &scratch.sums, 2 * simd::PANEL);
                     panel += rows;
                 }
             } else if let Some(panels) = &self.panels {
@@ -323,13 +333,7 @@ impl WeightMatrix {
                             panels.product_avx512(index, x, self.cols, sums, tile_rows, &mut scratch.sums);
                             (rows.min(simd::PANEL), simd::PANEL)
                         };
-                        output.store_rows(
-                            first_row..first_row + tile_rows,
-                            first_column + panel,
-                            rows,
-                            &scratch.sums,
-                            stride,
-                        );
+                        product.store_rows(first_row..first_row + tile_rows, panel, rows, &scratch.sums, stride);
                         panel += rows;
                     }
                 }
@@ -340,14 +344,13 @@ impl WeightMatrix {
     /// A few activation rows against the panels decoded in registers (AVX2), one row of a 4-bit
     /// matrix on its 8-bit digits.
     fn panel_gemv_avx2_task(&self, product: &Product, first: usize, last: usize) {
-        let (x, batch, output, first_column, block_sums, digits) = (
-            product.x,
-            product.batch,
-            &product.output,
-            product.first_column,
-            &product.block_sums,
-            &product.digits,
-        );
+        let Product {
+            x,
+            batch,
+            ref block_sums,
+            ref digits,
+            ..
+        } = *product;
         SCRATCH.with_borrow_mut(|scratch| {
             // `PanelGemvAvx2` is chosen only where panels exist.
             if let Some(panels) = &self.panels {
@@ -362,7 +365,7 @@ impl WeightMatrix {
                             panels.product_avx2(panel / simd::PANEL, x, self.cols, block_sums, batch, &mut scratch.sums)
                         }
                     }
-                    output.store_rows(0..batch, first_column + panel, rows, &scratch.sums, simd::PANEL);
+                    product.store_rows(0..batch, panel, rows, &scratch.sums, simd::PANEL);
                 }
             }
         });
@@ -371,7 +374,7 @@ impl WeightMatrix {
     /// Tiles of 16 activation rows against the panels on the AMX tiles, [`simd::AMX_PANELS`]
     /// panels a call.
     fn panel_amx_task(&self, product: &Product, first: usize, last: usize) {
-        let (output, first_column, split) = (&product.output, product.first_column, &product.split);
+        let Product { ref split, .. } = *product;
         // `PanelAmx` is chosen only where panels exist and the CPU has AMX.
         if let Some(panels) = &self.panels {
             let group = simd::AMX_PANELS * simd::PANEL;
@@ -379,7 +382,7 @@ impl WeightMatrix {
                 for panel in (first..last).step_by(group) {
                     let rows = group.min(last - panel);
                     let panels_now = panel / simd::PANEL..(panel + rows).div_ceil(simd::PANEL);
-                    panels.product_amx(panels_now, split, output, first_column + panel, rows);
+                    panels.product_amx(panels_now, split, &product.output, product.first_column + panel, rows);
                 }
             });
         }
@@ -387,7 +390,7 @@ impl WeightMatrix {
 
     /// Each pair of panels decoded once into L1 and multiplied in register tiles (AVX-512).
     fn packed_avx512_task(&self, product: &Product, first: usize, last: usize) {
-        let (x, batch, output, first_column) = (product.x, product.batch, &product.output, product.first_column);
+        let Product { x, batch, .. } = *product;
         SCRATCH.with_borrow_mut(|scratch| {
             // `PackedAvx512` is chosen only where panels exist.
             if let Some(panels) = &self.panels {
@@ -396,7 +399,7 @@ impl WeightMatrix {
                     let (index, count) = (panel / simd::PANEL, rows.div_ceil(simd::PANEL));
                     let (decoded, sums) = (&mut scratch.packed, &mut scratch.sums);
                     let sums = panels.product_packed_avx512(index, count, x, self.cols, batch, decoded, sums);
-                    output.store_rows(0..batch, first_column + panel, rows, sums, 2 * simd::PANEL);
+                    product.store_rows(0..batch, panel, rows, sums, 2 * simd::PANEL);
                 }
             }
         });
@@ -405,12 +408,12 @@ impl WeightMatrix {
     /// Each panel of 16 weight rows decoded once into L1 and multiplied by a register-blocked
     /// kernel (AVX2; from the row-major blocks where there are no panels).
     fn packed_task(&self, product: &Product, first: usize, last: usize) {
-        let (x, batch, output, first_column) = (product.x, product.batch, &product.output, product.first_column);
+        let Product { x, batch, .. } = *product;
         SCRATCH.with_borrow_mut(|scratch| {
             for panel in (first..last).step_by(simd::PANEL) {
                 let rows = simd::PANEL.min(last - panel);
                 let sums = self.panel_product(panel, rows, last, x, batch, scratch);
-                output.store_rows(0..batch, first_column + panel, rows, sums, simd::PANEL);
+                product.store_rows(0..batch, panel, rows, sums, simd::PANEL);
             }
         });
     }
@@ -418,14 +421,10 @@ impl WeightMatrix {
     /// Plain Rust: four weight rows decoded at a time and multiplied against every activation
     /// row.
     fn portable_task(&self, product: &Product, first: usize, last: usize) {
-        let (x, batch, output, first_column) = (product.x, product.batch, &product.output, product.first_column);
+        let Product { x, batch, .. } = *product;
         SCRATCH.with_borrow_mut(|scratch| {
             self.rows_product(first, last - first, x, batch, scratch);
-            output.store_columns(
-                first_column + first,
-                last - first,
-                &scratch.sums[..(last - first) * batch],
-            );
+            product.store_columns(first, last - first, &scratch.sums[..(last - first) * batch]);
         });
     }
 }
