@@ -16,6 +16,9 @@
 //! batch. A matrix without panels (another format) decodes its row-major blocks: in registers
 //! for a few rows (the GEMV paths in `simd`), else row by row into the same `[k][16]` buffer. The
 //! portable path decodes 4 rows of [`TILE`] values at a time and multiplies them in plain Rust.
+//!
+//! This file holds the type and its API; `paths` chooses a product's path and runs each task's
+//! share on it, `decoded` holds the two paths that decode weights into L1 (packed, portable).
 
 use rivulet_gguf::dequant::dequantize_append;
 use rivulet_gguf::GgmlType;
