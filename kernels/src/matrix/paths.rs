@@ -202,14 +202,14 @@ impl WeightMatrix {
             _ => per_task,
         };
         (0..units.div_ceil(per_task)).into_par_iter().for_each(|task| {
-            let rows = task * per_task * unit..((task + 1) * per_task * unit).min(self.rows);
-            self.task(path, &product, rows);
+            let first = task * per_task * unit;
+            let last = ((task + 1) * per_task * unit).min(self.rows);
+            self.task(path, &product, first, last);
         });
     }
 
-    /// One task's rows of the product.
-    fn task(&self, path: Path, product: &Product, rows: Range<usize>) {
-        let (first, last) = (rows.start, rows.end);
+    /// One task's rows `first..last` of the product.
+    fn task(&self, path: Path, product: &Product, first: usize, last: usize) {
         match path {
             Path::GemvQ4_1 => self.gemv_q4_1_task(product, first, last),
             Path::Gemv => self.gemv_task(product, first, last),
