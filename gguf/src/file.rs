@@ -8,6 +8,9 @@ use thiserror::Error;
 
 use crate::dequant::GgmlType;
 
+mod reader;
+use reader::Reader;
+
 const GGUF_MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
 /// Upper bounds that stop a corrupt count from driving a huge allocation.
@@ -160,7 +163,7 @@ impl GgufFile {
     }
 
     pub fn parse(bytes: Vec<u8>) -> Result<Self, GgufError> {
-        let mut reader = Reader { bytes: &bytes, pos: 0 };
+        let mut reader = Reader::new(&bytes);
         let magic: [u8; 4] = reader
             .take(4, "magic")?
             .try_into()
@@ -218,7 +221,7 @@ impl GgufFile {
                 .ok_or_else(|| invalid("general.alignment", &format!("{value:?} is not a power of two")))?,
             None => DEFAULT_ALIGNMENT,
         };
-        let data_start = (reader.pos as u64).next_multiple_of(alignment);
+        let data_start = (reader.position() as u64).next_multiple_of(alignment);
         let file_len = bytes.len() as u64;
         let mut tensors = Vec::with_capacity(raw_tensors.len());
         for (name, dims, ggml_type, offset) in raw_tensors {
@@ -354,100 +357,6 @@ fn invalid(what: &str, detail: &str) -> GgufError {
     GgufError::Invalid {
         what: what.to_owned(),
         detail: detail.to_owned(),
-    }
-}
-
-struct Reader<'a> {
-    bytes: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8], GgufError> {
-        let remaining = (self.bytes.len() - self.pos) as u64;
-        if n > remaining {
-            return Err(GgufError::Truncated {
-                what: what.to_owned(),
-                offset: self.pos as u64,
-                needed: n,
-                len: self.bytes.len() as u64,
-            });
-        }
-        let slice = &self.bytes[self.pos..self.pos + n as usize];
-        self.pos += n as usize;
-        Ok(slice)
-    }
-
-    fn ensure_plausible_count(&self, count: u64, min_entry_bytes: u64, what: &str) -> Result<(), GgufError> {
-        let remaining = (self.bytes.len() - self.pos) as u64;
-        if count.saturating_mul(min_entry_bytes) > remaining {
-            return Err(invalid(
-                what,
-                &format!("{count} entries cannot fit in the {remaining} bytes left"),
-            ));
-        }
-        Ok(())
-    }
-
-    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], GgufError> {
-        let slice = self.take(N as u64, what)?;
-        let mut out = [0u8; N];
-        out.copy_from_slice(slice);
-        Ok(out)
-    }
-
-    fn u32(&mut self, what: &str) -> Result<u32, GgufError> {
-        Ok(u32::from_le_bytes(self.array(what)?))
-    }
-
-    fn u64(&mut self, what: &str) -> Result<u64, GgufError> {
-        Ok(u64::from_le_bytes(self.array(what)?))
-    }
-
-    fn string(&mut self, what: &str) -> Result<String, GgufError> {
-        let len = self.u64(what)?;
-        let raw = self.take(len, what)?;
-        String::from_utf8(raw.to_vec()).map_err(|e| invalid(what, &format!("not UTF-8: {e}")))
-    }
-
-    fn value(&mut self, value_type: u32, key: &str) -> Result<MetadataValue, GgufError> {
-        Ok(match value_type {
-            0 => MetadataValue::U8(u8::from_le_bytes(self.array(key)?)),
-            1 => MetadataValue::I8(i8::from_le_bytes(self.array(key)?)),
-            2 => MetadataValue::U16(u16::from_le_bytes(self.array(key)?)),
-            3 => MetadataValue::I16(i16::from_le_bytes(self.array(key)?)),
-            4 => MetadataValue::U32(self.u32(key)?),
-            5 => MetadataValue::I32(i32::from_le_bytes(self.array(key)?)),
-            6 => MetadataValue::F32(f32::from_le_bytes(self.array(key)?)),
-            7 => match u8::from_le_bytes(self.array(key)?) {
-                0 => MetadataValue::Bool(false),
-                1 => MetadataValue::Bool(true),
-                other => return Err(invalid(&format!("value of `{key}`"), &format!("bool byte {other}"))),
-            },
-            8 => MetadataValue::String(self.string(key)?),
-            9 => {
-                let item_type = self.u32(key)?;
-                let len = self.u64(key)?;
-                if item_type == 9 {
-                    return Err(invalid(&format!("value of `{key}`"), "nested arrays are not supported"));
-                }
-                self.ensure_plausible_count(len, 1, &format!("length of array `{key}`"))?;
-                let mut items = Vec::with_capacity(len as usize);
-                for _ in 0..len {
-                    items.push(self.value(item_type, key)?);
-                }
-                MetadataValue::Array(items)
-            }
-            10 => MetadataValue::U64(self.u64(key)?),
-            11 => MetadataValue::I64(i64::from_le_bytes(self.array(key)?)),
-            12 => MetadataValue::F64(f64::from_le_bytes(self.array(key)?)),
-            other => {
-                return Err(invalid(
-                    &format!("type of `{key}`"),
-                    &format!("unknown value type {other}"),
-                ))
-            }
-        })
     }
 }
 
