@@ -1,6 +1,7 @@
 //! `rivulet-scheduler`: the gRPC and OpenAI-compatible HTTP server. Configuration: `rivulet.toml`, `RIVULET_*` variables and
 //! the command-line flags for the common settings (`--help`).
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -69,7 +70,9 @@ fn main() -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     let subscriber = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Colours only on a terminal: logs sent to a file or a collector stay plain text.
+        .with_ansi(std::io::stderr().is_terminal());
     if config.server.json_logs {
         subscriber.json().init();
     } else {

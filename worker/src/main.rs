@@ -2,6 +2,7 @@
 //! (`--ipc-server`, with the model settings on the command line) or started elsewhere, e.g. in
 //! another container of the pod, attaching through the scheduler's socket (`--attach PATH`).
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -81,7 +82,9 @@ fn main() -> anyhow::Result<()> {
     }
     let subscriber = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        // Colours only on a terminal: logs sent to a file or a collector stay plain text.
+        .with_ansi(std::io::stderr().is_terminal());
     if args.json_logs {
         subscriber.json().init();
     } else {
