@@ -40,8 +40,6 @@ mod peak;
 mod prompt_scores;
 mod row_gemv;
 pub use amx::{has_amx, SplitActivations, Tiles, AMX_PANELS};
-#[cfg(target_arch = "x86_64")]
-use decode::f16_scalar;
 pub use decode::{avx2_decodes, decode_avx2};
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
 pub use grouped_heads::{score_keys, weighted_rows};

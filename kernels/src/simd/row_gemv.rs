@@ -10,7 +10,7 @@ use std::arch::x86_64::*;
 use rivulet_gguf::GgmlType;
 
 #[cfg(target_arch = "x86_64")]
-use super::{f16_scalar, hsum};
+use super::{decode::f16_scalar, hsum};
 use super::{fits, has_avx2, strided_len};
 
 /// Batches up to this size take the fused row path ([`gemv_rows_avx2`]).
