@@ -12,9 +12,10 @@
 //! summed in another order:
 //! `Σ (d·q + offset)·x = d·Σ q·x + offset·Σ x`, with each block's `Σ x` from [`block_sums`].
 //!
-//! A pass takes at most [`PANEL_GEMV_AVX2_ROWS`] activation rows and one half of the panel at a
-//! time (16 registers hold 8 accumulator chains, the totals and the decoded column); the second
-//! half reads the panel's bytes again from L1.
+//! A pass takes at most [`PANEL_GEMV_AVX2_ROWS`] activation rows. A 4-bit pass takes one half
+//! of the panel at a time (16 registers hold 8 accumulator chains, the totals and the decoded
+//! column), and the second half reads the panel's bytes again from L1; a Q8_0 pass takes both
+//! halves at once ([`q8_panel`]).
 //!
 //! [`block_sums`]: super::block_sums
 
@@ -58,20 +59,20 @@ impl Panels {
         // (asserted by `pass_source`).
         unsafe {
             let (w, xp, sp, op) = (source.as_ptr(), x.as_ptr(), sums.as_ptr(), out.as_mut_ptr());
-            for half in 0..2 {
-                macro_rules! run {
-                    ($kernel:ident) => {
+            match (self.kind(), batch) {
+                (Kind::Q8, 1) => q8_panel::<1, 4>(w, blocks, xp, x_stride, op),
+                (Kind::Q8, 2) => q8_panel::<2, 2>(w, blocks, xp, x_stride, op),
+                (Kind::Q8, 3) => q8_panel::<3, 1>(w, blocks, xp, x_stride, op),
+                (Kind::Q8, _) => q8_panel::<4, 1>(w, blocks, xp, x_stride, op),
+                (Kind::Q4, _) => {
+                    for half in 0..2 {
                         match batch {
-                            1 => $kernel::<1, 8>(w, half, blocks, xp, x_stride, sp, op),
-                            2 => $kernel::<2, 4>(w, half, blocks, xp, x_stride, sp, op),
-                            3 => $kernel::<3, 2>(w, half, blocks, xp, x_stride, sp, op),
-                            _ => $kernel::<4, 2>(w, half, blocks, xp, x_stride, sp, op),
+                            1 => q4_half::<1, 8>(w, half, blocks, xp, x_stride, sp, op),
+                            2 => q4_half::<2, 4>(w, half, blocks, xp, x_stride, sp, op),
+                            3 => q4_half::<3, 2>(w, half, blocks, xp, x_stride, sp, op),
+                            _ => q4_half::<4, 2>(w, half, blocks, xp, x_stride, sp, op),
                         }
-                    };
-                }
-                match self.kind() {
-                    Kind::Q4 => run!(q4_half),
-                    Kind::Q8 => run!(q8_half),
+                    }
                 }
             }
         }
@@ -149,47 +150,64 @@ unsafe fn q4_half<const M: usize, const C: usize>(
     }
 }
 
-/// Rows `8·half..8·half + 8` of a Q8_0 panel times `M` activation rows, each row's sums in `C`
-/// chains.
+/// Rows `0..16` of a Q8_0 panel times `M` activation rows, each half's sums in `C` chains per
+/// row (`2·M·C = 8` accumulators, as many as hide the FMA latency on two FMA pipes).
+///
+/// Why both halves in one pass: each activation value is then broadcast once for the panel's 16
+/// rows, and each column's 16 bytes are read once, in order. This is the LM head's one-token
+/// kernel on AVX2 (49 152 rows of Q8_0 in SmolLM2, ~30 MB a step). On a Zen 3 EPYC (2 vCPUs),
+/// against the earlier half-panel passes: Q8_0 projections (`PROJECTIONS_BEST_ONLY=1 cargo bench
+/// -p rivulet-kernels --bench projections -- 2 1,2,3,4,8 Q8_0`, three alternating runs) 7.5–10.0
+/// / 7.9–8.8 / 9.1–10.1 / 10.8–11.6 / 20.7–22.1 ms a step at 1 / 2 / 3 / 4 / 8 rows against
+/// 9.2–10.2 / 10.0–11.1 / 11.7–12.7 / 13.1–14.4 / 23.6–23.8; the worker bench's one-token head
+/// 1909–2491 µs against 2278–3262 over seven alternations, faster in each.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_half<const M: usize, const C: usize>(
+unsafe fn q8_panel<const M: usize, const C: usize>(
     w: *const u8,
-    half: usize,
     blocks: usize,
     x: *const f32,
     x_stride: usize,
-    _sums: *const f32,
     out: *mut f32,
 ) {
     // SAFETY (whole body): `w` holds `blocks` Q8 panel blocks, `x` `M` rows of `blocks · 32`
-    // values `x_stride` apart and `out` `M · PANEL` values (caller); `half < 2`.
+    // values `x_stride` apart and `out` `M · PANEL` values (caller).
     unsafe {
-        let mut totals = [_mm256_setzero_ps(); M];
+        let mut totals = [[_mm256_setzero_ps(); 2]; M];
         for block in 0..blocks {
             let base = w.add(block * Q8_BLOCK);
-            if half == 0 {
-                prefetch_ahead(base, Q8_BLOCK);
-            }
-            let d = _mm256_cvtph_ps(_mm_loadu_si128(base.add(16 * half).cast()));
-            let values = base.add(SCALES + 8 * half);
-            let mut chains = [[_mm256_setzero_ps(); C]; M];
+            prefetch_ahead(base, Q8_BLOCK);
+            let d = [
+                _mm256_cvtph_ps(_mm_loadu_si128(base.cast())),
+                _mm256_cvtph_ps(_mm_loadu_si128(base.add(16).cast())),
+            ];
+            let values = base.add(SCALES);
+            let mut chains = [[[_mm256_setzero_ps(); C]; 2]; M];
             for first in (0..32).step_by(C) {
                 for chain in 0..C {
                     let k = first + chain;
-                    let q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(values.add(PANEL * k).cast())));
+                    let q = [0, 1].map(|half| {
+                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                            values.add(PANEL * k + 8 * half).cast(),
+                        )))
+                    });
                     for (b, row) in chains.iter_mut().enumerate() {
                         let xv = _mm256_broadcast_ss(&*x.add(b * x_stride + block * 32 + k));
-                        row[chain] = _mm256_fmadd_ps(q, xv, row[chain]);
+                        for (half, q) in q.iter().enumerate() {
+                            row[half][chain] = _mm256_fmadd_ps(*q, xv, row[half][chain]);
+                        }
                     }
                 }
             }
             for (total, row) in totals.iter_mut().zip(&chains) {
-                *total = _mm256_fmadd_ps(d, joined(row), *total);
+                for half in 0..2 {
+                    total[half] = _mm256_fmadd_ps(d[half], joined(&row[half]), total[half]);
+                }
             }
         }
         for (b, total) in totals.iter().enumerate() {
-            _mm256_storeu_ps(out.add(b * PANEL + 8 * half), *total);
+            _mm256_storeu_ps(out.add(b * PANEL), total[0]);
+            _mm256_storeu_ps(out.add(b * PANEL + 8), total[1]);
         }
     }
 }
