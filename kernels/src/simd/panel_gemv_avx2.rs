@@ -151,7 +151,8 @@ unsafe fn q4_half<const M: usize, const C: usize>(
 }
 
 /// Rows `0..16` of a Q8_0 panel times `M` activation rows, each half's sums in `C` chains per
-/// row (`2·M·C = 8` accumulators, as many as hide the FMA latency on two FMA pipes).
+/// row (`2·M·C` accumulators: 8, as many as hide the FMA latency on two FMA pipes, or 6 for
+/// three rows).
 ///
 /// Why both halves in one pass: each activation value is then broadcast once for the panel's 16
 /// rows, and each column's 16 bytes are read once, in order. This is the LM head's one-token
