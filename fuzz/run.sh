@@ -7,13 +7,19 @@
 #   fuzz/run.sh [--check] [SECONDS] [TARGET...]
 #
 # --check (what scripts/test.sh runs): the checked-in corpus is only read; inputs the run finds go
-# to a scratch folder, so a test run leaves the work tree as it was. A crash still fails it.
+# to a scratch folder, so a test run leaves the work tree as it was. A crash still fails it. It
+# also builds the targets unoptimized (`--dev`, debug assertions and AddressSanitizer as ever):
+# measured on a 2-core Zen 3, the sanitized build of the scheduler's dependency tree took 4m21s
+# against 9m47s optimized, and a check is mostly the corpus replayed (each target still runs
+# ~1 000–4 000 new inputs a second, against ~25 000–35 000 optimized). Fuzz for real without it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 CHECK=0
+BUILD=()
 if [[ "${1:-}" == "--check" ]]; then
     CHECK=1
+    BUILD=(--dev)
     shift
 fi
 SECONDS_EACH="${1:-60}"
@@ -36,7 +42,7 @@ for target in "${TARGETS[@]}"; do
         corpora=("fuzz/corpus/$target")
     fi
     echo "== $target ($SECONDS_EACH s)"
-    cargo fuzz run --fuzz-dir fuzz "$target" "${corpora[@]}" -- \
+    cargo fuzz run "${BUILD[@]}" --fuzz-dir fuzz "$target" "${corpora[@]}" -- \
         -max_total_time="$SECONDS_EACH" -max_len=65536 -rss_limit_mb=4096 \
         -artifact_prefix="fuzz/artifacts/$target/"
 done
