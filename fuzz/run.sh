@@ -10,8 +10,9 @@
 # to a scratch folder, so a test run leaves the work tree as it was. A crash still fails it. It
 # also builds the targets unoptimized (`--dev`, debug assertions and AddressSanitizer as ever):
 # measured on a 2-core Zen 3, the sanitized build of the scheduler's dependency tree took 4m21s
-# against 9m47s optimized, and a check is mostly the corpus replayed (each target still runs
-# ~1 000–4 000 new inputs a second, against ~25 000–35 000 optimized). Fuzz for real without it.
+# against 9m47s optimized (10m00s at opt-level 1), and a check is mostly the corpus replayed (a
+# target then runs ~900–4 200 inputs a second, against 11 000–40 000 optimized). Fuzz for real
+# without it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
