@@ -5,8 +5,13 @@
 
 use serde::{Deserialize, Serialize};
 
+// Each untagged enum names what it takes (`expecting`): serde's own message would name the Rust
+// type ("data did not match any variant of untagged enum PromptInput").
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string, an array of token ids, or an array holding one prompt (string or token ids)"
+)]
 pub enum PromptInput {
     Text(String),
     TokenIds(Vec<u32>),
@@ -15,7 +20,7 @@ pub enum PromptInput {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or an array of strings")]
 pub enum StopInput {
     One(String),
     Many(Vec<String>),
@@ -32,14 +37,29 @@ impl StopInput {
 
 /// Completions take a count of alternatives, chat a flag (with `top_logprobs`).
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "true or false (chat), or a count of alternatives (completions)"
+)]
 pub enum LogprobsInput {
     Flag(bool),
     Count(u32),
 }
 
+/// `priority` by name (`low`, `normal`, `high`, `critical`), or as vLLM's integer, where lower is
+/// served earlier and 0 is the default: so that a vLLM client's `"priority": 0` is not refused.
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "low, normal, high or critical, or an integer (vLLM's: lower is served earlier)"
+)]
+pub enum PriorityInput {
+    Name(String),
+    Level(i64),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged, expecting = "a string or an array of content parts")]
 pub enum MessageContent {
     Text(String),
     Parts(Vec<ContentPart>),
@@ -103,8 +123,8 @@ pub struct GenerationBody {
     pub return_token_ids: Option<bool>,
     /// Rivulet's confidence stop: end at the first token less likely than this (0-1).
     pub confidence_threshold: Option<f32>,
-    /// Rivulet's scheduling class: `low`, `normal`, `high` or `critical`.
-    pub priority: Option<String>,
+    /// Rivulet's scheduling class, or vLLM's integer (lower is served earlier).
+    pub priority: Option<PriorityInput>,
     // OpenAI parameters Rivulet refuses unless they ask for the default.
     pub n: Option<u32>,
     pub best_of: Option<u32>,

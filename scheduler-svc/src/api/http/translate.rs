@@ -2,7 +2,7 @@
 //! OpenAI's parameter names for errors. Refusals of what Rivulet does not support happen here.
 
 use super::errors::ApiError;
-use super::openai::{GenerationBody, LogprobsInput, MessageContent, PromptInput};
+use super::openai::{GenerationBody, LogprobsInput, MessageContent, PriorityInput, PromptInput};
 use crate::api::validation::{Field, Prompt, RequestDraft, SamplingDraft, StoppingDraft};
 use crate::chat_template::ChatMessage;
 use crate::request::Priority;
@@ -158,16 +158,27 @@ fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
     Ok(Prompt::Messages(converted))
 }
 
-fn priority(name: Option<&str>) -> Result<Priority, ApiError> {
-    match name {
-        None | Some("normal") => Ok(Priority::Normal),
-        Some("low") => Ok(Priority::Low),
-        Some("high") => Ok(Priority::High),
-        Some("critical") => Ok(Priority::Critical),
-        Some(other) => Err(ApiError::bad_request(
-            "priority",
-            format!("priority: {other:?} is not low, normal, high or critical"),
-        )),
+/// `priority` by name, or vLLM's integer mapped onto the classes in its order (lower is served
+/// earlier): 0 the default class, -1 high, anything lower critical, anything above 0 low.
+fn priority(input: Option<PriorityInput>) -> Result<Priority, ApiError> {
+    match input {
+        None => Ok(Priority::Normal),
+        Some(PriorityInput::Level(level)) => Ok(match level {
+            ..=-2 => Priority::Critical,
+            -1 => Priority::High,
+            0 => Priority::Normal,
+            1.. => Priority::Low,
+        }),
+        Some(PriorityInput::Name(name)) => match name.as_str() {
+            "normal" => Ok(Priority::Normal),
+            "low" => Ok(Priority::Low),
+            "high" => Ok(Priority::High),
+            "critical" => Ok(Priority::Critical),
+            other => Err(ApiError::bad_request(
+                "priority",
+                format!("priority: {other:?} is not low, normal, high or critical (or vLLM's integer)"),
+            )),
+        },
     }
 }
 
@@ -260,7 +271,7 @@ pub fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Res
             include_stop_str_in_output: body.include_stop_str_in_output.unwrap_or(false),
             confidence_threshold: body.confidence_threshold,
         },
-        priority: priority(body.priority.as_deref())?,
+        priority: priority(body.priority)?,
     })
 }
 
@@ -341,5 +352,46 @@ mod tests {
             p("priority")
         );
         assert!(serde_json::from_value::<GenerationBody>(serde_json::json!({"prompt": "x", "best_of_n": 2})).is_err());
+    }
+
+    #[test]
+    fn priority_takes_a_class_or_vllms_integer() {
+        let of = |priority: serde_json::Value| {
+            to_draft(
+                Endpoint::Completions,
+                "id".to_owned(),
+                body(serde_json::json!({"prompt": "x", "priority": priority})),
+            )
+            .map(|draft| draft.priority)
+            .ok()
+        };
+        assert_eq!(of(serde_json::json!("high")), Some(Priority::High));
+        assert_eq!(of(serde_json::json!(null)), Some(Priority::Normal));
+        assert_eq!(of(serde_json::json!(0)), Some(Priority::Normal));
+        assert_eq!(of(serde_json::json!(-1)), Some(Priority::High));
+        assert_eq!(of(serde_json::json!(-7)), Some(Priority::Critical));
+        assert_eq!(of(serde_json::json!(3)), Some(Priority::Low));
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_shape_is_told_what_the_field_takes() {
+        let message = |json: serde_json::Value| {
+            serde_json::from_value::<GenerationBody>(json)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default()
+        };
+        for (json, expected) in [
+            (serde_json::json!({"stop": 5}), "a string or an array of strings"),
+            (serde_json::json!({"prompt": [1, "a"]}), "an array of token ids"),
+            (
+                serde_json::json!({"messages": [{"role": "user", "content": null}]}),
+                "a string or an array of content parts",
+            ),
+            (serde_json::json!({"priority": 1.5}), "or an integer"),
+        ] {
+            let text = message(json);
+            assert!(text.contains(expected) && !text.contains("untagged"), "{text}");
+        }
     }
 }
