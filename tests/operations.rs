@@ -1,7 +1,8 @@
 //! The operational surface, as a user and an operator meet it, on one server with an API key:
 //! health while the model loads and while a killed worker is replaced (gRPC and `/health`), the
 //! key on both fronts, request ids, JSON logs from the scheduler and its workers, and the OpenAI-compatible front and `/metrics` driven by the
-//! real `openai` package and Prometheus' own text parser (`tests/python/openai_client.py`).
+//! real `openai` package and Prometheus' own text parser (`tests/python/openai_client.py`); and,
+//! once its only replica is drained, requests refused at once.
 
 mod common;
 
@@ -11,7 +12,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{greedy_request, root, signal, wait_until, TestServer};
-use rivulet::proto::{ChatMessage, GenerateRequest};
+use rivulet::proto::{ChatMessage, DrainWorkerRequest, GenerateRequest};
 use tonic::metadata::MetadataValue;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -190,4 +191,30 @@ async fn health_key_request_ids_and_the_openai_front() {
     assert_eq!(summary["fields"]["generated_tokens"], TOKENS);
     assert_eq!(summary["fields"]["finish_reason"], "length");
     let _ = std::fs::remove_file(&log);
+
+    // The only replica drained (spawned, and no attach socket): nothing can serve any more, so a
+    // request ends at once with UNAVAILABLE rather than after `no_worker_timeout_secs` (60 s).
+    let replica = server.stats().await.replicas[0].id;
+    server
+        .admin()
+        .await
+        .drain_worker(DrainWorkerRequest { id: replica })
+        .await
+        .expect("drain the only replica");
+    wait_until(Duration::from_secs(30), "the drained replica to leave", || async {
+        server.stats().await.replicas.is_empty()
+    })
+    .await;
+    assert_eq!(server.health().await, ServingStatus::NotServing);
+    let started = std::time::Instant::now();
+    let refused = client
+        .generate(with_key(greedy_request("Hello", 2)))
+        .await
+        .expect_err("no replica left");
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10) && refused.message().contains("drained"),
+        "ended at once, saying why: {refused:?} after {:?}",
+        started.elapsed()
+    );
 }

@@ -267,6 +267,12 @@ impl Engine {
             .filter_map(|seq| seq.unrouted_since)
             .min()
             .map(|since| since + self.no_worker_timeout());
+        // With no replica left and none able to attach, waiting requests end at once.
+        let no_worker = if self.no_worker_can_come() && !self.unrouted.is_empty() {
+            Some(Instant::now())
+        } else {
+            no_worker
+        };
         // A drain deadline that already fired is not waited for again: what it could not end at
         // once (sequences in a step) is ended when that step returns.
         let drain = self.drain_deadline.filter(|deadline| *deadline > Instant::now());
@@ -275,6 +281,13 @@ impl Engine {
 
     fn no_worker_timeout(&self) -> Duration {
         Duration::from_secs(self.config.scheduler.no_worker_timeout_secs)
+    }
+
+    /// Every replica is gone (the last ones drained) and no worker can attach: nothing can serve
+    /// until the server restarts, so waiting out `no_worker_timeout_secs` would only delay the
+    /// error. (Spawned replicas stay in the pool while their worker restarts.)
+    fn no_worker_can_come(&self) -> bool {
+        self.replicas.is_empty() && self.attach_listener.is_none()
     }
 
     fn handle(&mut self, input: EngineInput) {
@@ -355,10 +368,17 @@ impl Engine {
             }
             self.fail_everything(&EngineError::ShuttingDown);
         }
-        let timeout = self.no_worker_timeout();
+        let (timeout, error) = if self.no_worker_can_come() {
+            let reason =
+                "no worker replica is left (each was drained) and none can attach (worker.attach_socket is unset)";
+            (Duration::ZERO, EngineError::WorkerUnavailable(reason.to_owned()))
+        } else {
+            let timeout = self.no_worker_timeout();
+            let reason = format!("no worker was ready within {timeout:?}");
+            (timeout, EngineError::WorkerUnavailable(reason))
+        };
         let expired = |seq: &Sequence| seq.unrouted_since.is_some_and(|since| now >= since + timeout);
         if self.unrouted.iter().any(expired) {
-            let error = EngineError::WorkerUnavailable(format!("no worker was ready within {timeout:?}"));
             self.unrouted.retain_mut(|seq| {
                 if expired(seq) {
                     let _ = seq.events.send(SequenceEvent::Failed(error.clone()));
