@@ -16,13 +16,25 @@ Reads a JSON request on stdin and writes a JSON answer on stdout:
 
 transformers dequantizes GGUF weights to f32 and undoes llama.cpp's Q/K permutation itself, so
 nothing here shares code or conventions with Rivulet's loader.
+
+Loading the GGUF file through transformers takes ~20 s on two cores (the dequantization, the
+GGUF tokenizer and the metadata reader), and the test suite asks for a reference a dozen times.
+So the first call saves the model as transformers loaded it (its f32 state dict, config and
+tokenizer: `save_hf_folder`'s files) under `target/hf-reference/`, keyed by the GGUF file (path,
+size, modification time), this script and the library versions, and later calls load that folder
+(~0.2 s): the same tensors bit for bit, the same tokenizer. A new key's folder replaces the others.
 """
+import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
+
+CACHE_ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "target", "hf-reference"))
 
 
-def load_tokenizer(model_path):
+def gguf_tokenizer(model_path):
     from gguf import GGUFReader
     from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
@@ -44,14 +56,10 @@ def load_tokenizer(model_path):
 
 def greedy(model_path, prompts, max_new_tokens):
     import torch
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     tokenizer = load_tokenizer(model_path)
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), torch_dtype=torch.float32
-    )
-    model.eval()
+    model = load_model(model_path)
     results = []
     with torch.no_grad():
         for prompt in prompts:
@@ -71,12 +79,8 @@ def greedy(model_path, prompts, max_new_tokens):
 
 def logprobs(model_path, prompt_ids, output_ids, top):
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), torch_dtype=torch.float32
-    )
-    model.eval()
+    model = load_model(model_path)
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + output_ids])).logits[0]
     log_probs = torch.log_softmax(logits.double(), dim=-1)
@@ -122,13 +126,14 @@ def dequantize_raw(type_name, path, out_path):
     return {"path": out_path}
 
 
-def save_hf_folder(model_path, out_dir):
+def convert_to_hf_folder(model_path, out_dir):
+    """The GGUF file as transformers loads it, written as a Hugging Face folder."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = gguf_tokenizer(model_path)
     model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), torch_dtype=torch.float32
+        os.path.dirname(model_path), gguf_file=os.path.basename(model_path), dtype=torch.float32
     )
     # transformers will not save_pretrained a model it loaded from GGUF; write the same files
     # directly: its dequantized f32 state dict as safetensors and its config.
@@ -144,6 +149,67 @@ def save_hf_folder(model_path, out_dir):
     with open(os.path.join(out_dir, "config.json"), "w") as out:
         json.dump(config, out, indent=2)
     tokenizer.save_pretrained(out_dir)
+
+
+def cached_hf_folder(model_path):
+    """The cached folder for `model_path` (see the module's doc), converted on first use."""
+    import gguf
+    import torch
+    import transformers
+
+    stat = os.stat(model_path)
+    with open(os.path.abspath(__file__), "rb") as script:
+        script_hash = hashlib.sha256(script.read()).hexdigest()
+    key = "|".join(
+        [
+            model_path,
+            str(stat.st_size),
+            str(stat.st_mtime_ns),
+            script_hash,
+            transformers.__version__,
+            torch.__version__,
+            getattr(gguf, "__version__", ""),
+        ]
+    )
+    folder = os.path.join(CACHE_ROOT, hashlib.sha256(key.encode()).hexdigest()[:16])
+    if not os.path.isdir(folder):
+        os.makedirs(CACHE_ROOT, exist_ok=True)
+        staging = tempfile.mkdtemp(dir=CACHE_ROOT, prefix="converting-")
+        try:
+            convert_to_hf_folder(model_path, staging)
+            os.rename(staging, folder)  # atomic; fails if a concurrent call got there first
+        except OSError:
+            if not os.path.isdir(folder):
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        # Each folder is ~540 MB of f32: older keys (an edited script, a rebuilt model) go.
+        for name in os.listdir(CACHE_ROOT):
+            if name != os.path.basename(folder) and not name.startswith("converting-"):
+                shutil.rmtree(os.path.join(CACHE_ROOT, name), ignore_errors=True)
+    return folder
+
+
+def load_model(model_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cached_hf_folder(model_path), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def load_tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cached_hf_folder(model_path))
+
+
+def save_hf_folder(model_path, out_dir):
+    folder = cached_hf_folder(model_path)
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(folder):
+        shutil.copy(os.path.join(folder, name), os.path.join(out_dir, name))
     return {"files": sorted(os.listdir(out_dir))}
 
 
