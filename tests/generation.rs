@@ -5,7 +5,7 @@ mod common;
 
 use common::{greedy_request, hf_reference, shared_server};
 use futures::future::join_all;
-use rivulet::proto::{FinishReason, GenerateRequest, StoppingCriteria};
+use rivulet::proto::{ChatMessage, FinishReason, GenerateRequest, StoppingCriteria};
 use serde_json::json;
 use tokio_stream::StreamExt;
 use tonic::Code;
@@ -65,6 +65,84 @@ async fn greedy_continuations_match_transformers_token_for_token() {
             "greedy tokens from prompt_token_ids for {prompt:?}"
         );
     }
+}
+
+/// vLLM's chat options against transformers' `apply_chat_template` with the same flags: the
+/// conversation as messages gives the tokens the reference's rendered prompt gives as token ids,
+/// and the same prompt length; an explicit conflict is refused naming the field.
+#[tokio::test(flavor = "multi_thread")]
+async fn chat_endings_render_as_transformers_renders_them() {
+    let messages = json!([
+        {"role": "user", "content": "Name three colours."},
+        {"role": "assistant", "content": "Sure! The three colours are"},
+    ]);
+    let as_proto: Vec<ChatMessage> = serde_json::from_value::<Vec<serde_json::Value>>(messages.clone())
+        .expect("messages")
+        .iter()
+        .map(|m| ChatMessage {
+            role: m["role"].as_str().expect("role").to_owned(),
+            content: m["content"].as_str().expect("content").to_owned(),
+        })
+        .collect();
+    let mut client = shared_server().client().await;
+    for (add_generation_prompt, continue_final_message) in [(None, false), (Some(false), false), (None, true)] {
+        let reference = tokio::task::spawn_blocking({
+            let messages = messages.clone();
+            move || {
+                hf_reference(json!({
+                    "task": "chat_prompt_ids",
+                    "messages": messages,
+                    "add_generation_prompt": add_generation_prompt.unwrap_or(!continue_final_message),
+                    "continue_final_message": continue_final_message,
+                }))
+            }
+        })
+        .await
+        .expect("reference");
+        let reference_ids: Vec<u32> = serde_json::from_value(reference["ids"].clone()).expect("ids");
+        let case = format!(
+            "add_generation_prompt {add_generation_prompt:?}, continue_final_message {continue_final_message}: {:?}",
+            reference["text"]
+        );
+        let by_messages = client
+            .generate(GenerateRequest {
+                prompt: String::new(),
+                messages: as_proto.clone(),
+                add_generation_prompt,
+                continue_final_message,
+                ..greedy_request("", 12)
+            })
+            .await
+            .expect("generate from messages")
+            .into_inner();
+        let by_ids = client
+            .generate(GenerateRequest {
+                prompt: String::new(),
+                prompt_token_ids: reference_ids.clone(),
+                ..greedy_request("", 12)
+            })
+            .await
+            .expect("generate from the reference's ids")
+            .into_inner();
+        assert_eq!(
+            by_messages.usage.map(|u| u.prompt_tokens as usize),
+            Some(reference_ids.len()),
+            "{case}"
+        );
+        assert_eq!(by_messages.token_ids, by_ids.token_ids, "{case}");
+    }
+    let conflict = client
+        .generate(GenerateRequest {
+            prompt: String::new(),
+            messages: as_proto,
+            add_generation_prompt: Some(true),
+            continue_final_message: true,
+            ..greedy_request("", 4)
+        })
+        .await
+        .expect_err("both flags");
+    assert_eq!(conflict.code(), Code::InvalidArgument);
+    assert!(conflict.message().starts_with("continue_final_message"), "{conflict:?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -4,6 +4,8 @@ Reads a JSON request on stdin and writes a JSON answer on stdout:
   {"task": "greedy", "prompts": [...], "max_new_tokens": N}
       -> {"results": [{"prompt_ids": [...], "output_ids": [...]}, ...], "eos_token_id": N}
   {"task": "tokenize", "texts": [...]} -> {"ids": [[...], ...]}
+  {"task": "chat_prompt_ids", "messages": [...], "add_generation_prompt": B, "continue_final_message": B}
+      -> {"text": ..., "ids": [...]}: the chat template applied by transformers, then tokenized
   {"task": "logprobs", "prompt_ids": [...], "output_ids": [...], "top": K}
       -> {"steps": [{"logprob", "top_ids", "top_values"}, ...]}: log-softmax at each output token
   {"task": "dequantize", "tensors": [...], "out_dir": "..."}
@@ -90,6 +92,17 @@ def logprobs(model_path, prompt_ids, output_ids, top):
         values, ids = row.topk(top)
         steps.append({"logprob": float(row[token]), "top_ids": ids.tolist(), "top_values": values.tolist()})
     return {"steps": steps}
+
+
+def chat_prompt_ids(model_path, messages, add_generation_prompt, continue_final_message):
+    tokenizer = load_tokenizer(model_path)
+    text = tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
+    return {"text": text, "ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
 
 
 def tokenize(model_path, texts):
@@ -225,6 +238,10 @@ def main():
         answer = dequantize_raw(request["type"], request["path"], request["out"])
     elif task == "save_hf_folder":
         answer = save_hf_folder(model_path, request["out_dir"])
+    elif task == "chat_prompt_ids":
+        answer = chat_prompt_ids(
+            model_path, request["messages"], request["add_generation_prompt"], request["continue_final_message"]
+        )
     elif task == "tokenize":
         answer = tokenize(model_path, request["texts"])
     elif task == "dequantize":

@@ -13,6 +13,21 @@ pub enum ChatTemplateError {
     Render(String),
 }
 
+/// How the rendered conversation ends: vLLM's (and transformers') `add_generation_prompt` and
+/// `continue_final_message`, as one choice since they exclude each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ChatEnding {
+    /// The template's opening of the assistant's turn (`add_generation_prompt`): the model
+    /// answers the last message. The default.
+    #[default]
+    AssistantTurn,
+    /// The messages alone, no turn opened.
+    MessagesOnly,
+    /// The last message left open, without its end-of-turn (`continue_final_message`): the model
+    /// continues it, e.g. an assistant's answer begun by the client.
+    ContinueLastMessage,
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatMessage {
     pub role: String,
@@ -59,21 +74,47 @@ impl ChatTemplate {
         })
     }
 
-    /// The prompt for `messages`, ending with the opening of the assistant's turn.
-    pub fn render(&self, messages: &[ChatMessage]) -> Result<String, ChatTemplateError> {
+    /// The prompt for `messages`, ending as `ending` says.
+    pub fn render(&self, messages: &[ChatMessage], ending: ChatEnding) -> Result<String, ChatTemplateError> {
         let template = self
             .env
             .get_template("chat")
             .map_err(|e| ChatTemplateError::Render(e.to_string()))?;
-        template
+        let rendered = template
             .render(context! {
                 messages => Value::from(messages.iter().map(ChatMessage::to_value).collect::<Vec<_>>()),
-                add_generation_prompt => true,
+                add_generation_prompt => ending == ChatEnding::AssistantTurn,
                 bos_token => self.bos_token.as_str(),
                 eos_token => self.eos_token.as_str(),
             })
-            .map_err(|e| ChatTemplateError::Render(e.to_string()))
+            .map_err(|e| ChatTemplateError::Render(e.to_string()))?;
+        match (ending, messages.last()) {
+            (ChatEnding::ContinueLastMessage, Some(last)) => cut_after_last_message(rendered, &last.content),
+            _ => Ok(rendered),
+        }
     }
+}
+
+/// `rendered` up to the end of the last message's content, as transformers'
+/// `continue_final_message` cuts it: at the content's last occurrence, or (for templates that
+/// strip messages) at the stripped content's.
+fn cut_after_last_message(mut rendered: String, content: &str) -> Result<String, ChatTemplateError> {
+    if content.trim().is_empty() {
+        return Err(ChatTemplateError::Render(
+            "continue_final_message: the last message is empty, so there is nothing to continue".to_owned(),
+        ));
+    }
+    let end = [content, content.trim()]
+        .into_iter()
+        .find_map(|needle| rendered.rfind(needle).map(|at| at + needle.len()))
+        .ok_or_else(|| {
+            ChatTemplateError::Render(
+                "continue_final_message: the chat template does not show the last message's content, so it cannot be continued"
+                    .to_owned(),
+            )
+        })?;
+    rendered.truncate(end);
+    Ok(rendered)
 }
 
 #[cfg(test)]
@@ -98,9 +139,48 @@ mod tests {
             },
         ];
         assert_eq!(
-            template.render(&messages).expect("renders"),
+            template.render(&messages, ChatEnding::AssistantTurn).expect("renders"),
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n"
         );
+        assert_eq!(
+            template.render(&messages, ChatEnding::MessagesOnly).expect("renders"),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
+        );
+    }
+
+    #[test]
+    fn a_last_message_is_left_open_to_be_continued() {
+        let template = ChatTemplate::new(CHATML.to_owned(), String::new(), String::new()).expect("compiles");
+        let message = |role: &str, content: &str| ChatMessage {
+            role: role.to_owned(),
+            content: content.to_owned(),
+        };
+        // The template strips the content: the cut falls after the stripped text.
+        let messages = [message("user", "Hi!"), message("assistant", "Hello, I am ")];
+        assert_eq!(
+            template
+                .render(&messages, ChatEnding::ContinueLastMessage)
+                .expect("renders"),
+            "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\nHello, I am"
+        );
+        // Content that also appears earlier: the last occurrence.
+        let messages = [message("user", "Say yes"), message("assistant", "yes")];
+        assert_eq!(
+            template
+                .render(&messages, ChatEnding::ContinueLastMessage)
+                .expect("renders"),
+            "<|im_start|>user\nSay yes<|im_end|>\n<|im_start|>assistant\nyes"
+        );
+        let hidden = ChatTemplate::new(
+            "{% for m in messages %}[{{ m.role }}]{% endfor %}".to_owned(),
+            String::new(),
+            String::new(),
+        )
+        .expect("compiles");
+        let error = hidden
+            .render(&[message("assistant", "unseen")], ChatEnding::ContinueLastMessage)
+            .expect_err("content not in the rendering");
+        assert!(error.to_string().contains("continue_final_message"), "{error}");
     }
 
     #[test]
@@ -112,7 +192,10 @@ mod tests {
             String::new(),
         )
         .expect("compiles");
-        let error = raising.render(&[]).expect_err("raises").to_string();
+        let error = raising
+            .render(&[], ChatEnding::AssistantTurn)
+            .expect_err("raises")
+            .to_string();
         assert!(error.contains("roles must alternate"), "{error}");
     }
 }

@@ -11,7 +11,7 @@ use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status};
 
 use super::tracking::TrackedRequest;
-use super::validation::{Field, Prompt, RequestDraft, SamplingDraft, StoppingDraft, ValidationError};
+use super::validation::{chat_ending, Field, Prompt, RequestDraft, SamplingDraft, StoppingDraft, ValidationError};
 use super::{request_id, Frontend, SubmitError, REQUEST_ID_HEADER};
 use crate::chat_template::ChatMessage;
 use crate::request::{EngineError, ErrorKind, FinishReason, Priority, SequenceEvent, TokenLogprob, Usage};
@@ -49,11 +49,25 @@ fn to_draft(id: String, request: proto::GenerateRequest) -> Result<RequestDraft,
         !request.prompt_token_ids.is_empty(),
         !request.messages.is_empty(),
     ];
+    // The chat options shape the template's prompt; with a prompt given as such they would change
+    // nothing, so they are refused rather than ignored.
+    if request.messages.is_empty() && request.add_generation_prompt.is_some() {
+        return Err(ValidationError::invalid(
+            Field::AddGenerationPrompt,
+            "add_generation_prompt: applies to messages only",
+        ));
+    } else if request.messages.is_empty() && request.continue_final_message {
+        return Err(ValidationError::invalid(
+            Field::ContinueFinalMessage,
+            "continue_final_message: applies to messages only",
+        ));
+    }
     let prompt = match given {
         [true, false, false] => Prompt::Text(request.prompt),
         [false, true, false] => Prompt::TokenIds(request.prompt_token_ids),
-        [false, false, true] => Prompt::Messages(
-            request
+        [false, false, true] => Prompt::Messages {
+            ending: chat_ending(request.add_generation_prompt, request.continue_final_message)?,
+            messages: request
                 .messages
                 .into_iter()
                 .map(|m| ChatMessage {
@@ -61,7 +75,7 @@ fn to_draft(id: String, request: proto::GenerateRequest) -> Result<RequestDraft,
                     content: m.content,
                 })
                 .collect(),
-        ),
+        },
         [false, false, false] => {
             return Err(ValidationError::invalid(
                 Field::Prompt,

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use rivulet_ipc::layout::MAX_TOP_LOGPROBS;
 use thiserror::Error;
 
-use crate::chat_template::ChatMessage;
+use crate::chat_template::{ChatEnding, ChatMessage};
 use crate::model_limits::ModelLimits;
 use crate::request::{GenerationRequest, Priority, SamplingParams, StoppingParams};
 use crate::tokenizer::ModelTokenizer;
@@ -23,8 +23,29 @@ pub const MAX_STOP_STRINGS: usize = 8;
 pub enum Prompt {
     Text(String),
     TokenIds(Vec<u32>),
-    /// A conversation, rendered with the model's chat template (ending with the assistant's turn).
-    Messages(Vec<ChatMessage>),
+    /// A conversation, rendered with the model's chat template and ending as `ending` says.
+    Messages {
+        messages: Vec<ChatMessage>,
+        ending: ChatEnding,
+    },
+}
+
+/// How a conversation ends, from vLLM's two flags: `add_generation_prompt` (default true) and
+/// `continue_final_message` (default false). Continuing the last message implies no generation
+/// prompt; asking for both explicitly is an error, as in vLLM.
+pub fn chat_ending(
+    add_generation_prompt: Option<bool>,
+    continue_final_message: bool,
+) -> Result<ChatEnding, ValidationError> {
+    match (add_generation_prompt, continue_final_message) {
+        (Some(true), true) => Err(ValidationError::invalid(
+            Field::ContinueFinalMessage,
+            "continue_final_message: cannot be combined with add_generation_prompt: true",
+        )),
+        (_, true) => Ok(ChatEnding::ContinueLastMessage),
+        (Some(false), false) => Ok(ChatEnding::MessagesOnly),
+        (_, false) => Ok(ChatEnding::AssistantTurn),
+    }
 }
 
 /// Sampling parameters as given; `None` takes vLLM's default.
@@ -93,6 +114,8 @@ pub enum Field {
     MaxResponseChars,
     ConfidenceThreshold,
     Priority,
+    AddGenerationPrompt,
+    ContinueFinalMessage,
 }
 
 impl Field {
@@ -118,6 +141,8 @@ impl Field {
             Field::MaxResponseChars => "stopping.max_response_chars",
             Field::ConfidenceThreshold => "stopping.confidence_threshold",
             Field::Priority => "priority",
+            Field::AddGenerationPrompt => "add_generation_prompt",
+            Field::ContinueFinalMessage => "continue_final_message",
         }
     }
 }
@@ -200,7 +225,7 @@ impl Validator {
                 return Ok((Field::PromptTokenIds, ids));
             }
             Prompt::Text(text) => (Field::Prompt, text),
-            Prompt::Messages(messages) => (Field::Messages, self.render_chat(&messages)?),
+            Prompt::Messages { messages, ending } => (Field::Messages, self.render_chat(&messages, ending)?),
         };
         if text.is_empty() {
             return Err(ValidationError::invalid(field, "must not be empty"));
@@ -215,7 +240,7 @@ impl Validator {
         Ok((field, ids))
     }
 
-    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, ValidationError> {
+    fn render_chat(&self, messages: &[ChatMessage], ending: ChatEnding) -> Result<String, ValidationError> {
         if messages.is_empty() {
             return Err(ValidationError::invalid(Field::Messages, "must not be empty"));
         }
@@ -232,7 +257,7 @@ impl Validator {
             ));
         }
         template
-            .render(messages)
+            .render(messages, ending)
             .map_err(|e| ValidationError::invalid(Field::Messages, e.to_string()))
     }
 

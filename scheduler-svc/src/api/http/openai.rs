@@ -121,6 +121,10 @@ pub struct GenerationBody {
     pub include_stop_str_in_output: Option<bool>,
     /// Also return the generated token ids (`choices[].token_ids`).
     pub return_token_ids: Option<bool>,
+    /// Chat only (vLLM's): open the assistant's turn after the messages (default true).
+    pub add_generation_prompt: Option<bool>,
+    /// Chat only (vLLM's): leave the last message open for the model to continue.
+    pub continue_final_message: Option<bool>,
     /// Rivulet's confidence stop: end at the first token less likely than this (0-1).
     pub confidence_threshold: Option<f32>,
     /// Rivulet's scheduling class, or vLLM's integer (lower is served earlier).

@@ -3,7 +3,7 @@
 
 use super::errors::ApiError;
 use super::openai::{GenerationBody, LogprobsInput, MessageContent, PriorityInput, PromptInput};
-use crate::api::validation::{Field, Prompt, RequestDraft, SamplingDraft, StoppingDraft};
+use crate::api::validation::{chat_ending, Field, Prompt, RequestDraft, SamplingDraft, StoppingDraft};
 use crate::chat_template::ChatMessage;
 use crate::request::Priority;
 
@@ -45,6 +45,8 @@ impl Endpoint {
             Field::MaxResponseChars => "max_response_chars",
             Field::ConfidenceThreshold => "confidence_threshold",
             Field::Priority => "priority",
+            Field::AddGenerationPrompt => "add_generation_prompt",
+            Field::ContinueFinalMessage => "continue_final_message",
         }
     }
 }
@@ -155,7 +157,12 @@ fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
         };
         converted.push(ChatMessage { role, content });
     }
-    Ok(Prompt::Messages(converted))
+    let ending = chat_ending(body.add_generation_prompt, body.continue_final_message.unwrap_or(false))
+        .map_err(|e| ApiError::bad_request("continue_final_message", e.to_string()))?;
+    Ok(Prompt::Messages {
+        messages: converted,
+        ending,
+    })
 }
 
 /// `priority` by name, or vLLM's integer mapped onto the classes in its order (lower is served
@@ -192,6 +199,17 @@ pub fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Res
                     "messages",
                     "messages: belongs to /v1/chat/completions; send a prompt here",
                 ));
+            }
+            for (param, given) in [
+                ("add_generation_prompt", body.add_generation_prompt.is_some()),
+                ("continue_final_message", body.continue_final_message.is_some()),
+            ] {
+                if given {
+                    return Err(ApiError::bad_request(
+                        param,
+                        format!("{param}: belongs to /v1/chat/completions (it shapes the chat template's prompt)"),
+                    ));
+                }
             }
             completion_prompt(body.prompt.take())?
         }
@@ -278,6 +296,7 @@ pub fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::chat_template::ChatEnding;
 
     fn body(json: serde_json::Value) -> GenerationBody {
         serde_json::from_value(json).expect("a valid body")
@@ -311,7 +330,7 @@ mod tests {
             })),
         )
         .expect("chat");
-        let Prompt::Messages(messages) = chat.prompt else {
+        let Prompt::Messages { messages, .. } = chat.prompt else {
             panic!("messages")
         };
         assert_eq!(
@@ -352,6 +371,47 @@ mod tests {
             p("priority")
         );
         assert!(serde_json::from_value::<GenerationBody>(serde_json::json!({"prompt": "x", "best_of_n": 2})).is_err());
+    }
+
+    #[test]
+    fn chat_takes_vllms_options_for_how_the_conversation_ends() {
+        let ending = |extra: serde_json::Value| {
+            let mut json = serde_json::json!({"messages": [{"role": "user", "content": "x"}]});
+            json.as_object_mut()
+                .expect("object")
+                .extend(extra.as_object().expect("object").clone());
+            match to_draft(Endpoint::Chat, "id".to_owned(), body(json)) {
+                Ok(draft) => match draft.prompt {
+                    Prompt::Messages { ending, .. } => Ok(ending),
+                    other => panic!("not messages: {other:?}"),
+                },
+                Err(error) => Err(error.param),
+            }
+        };
+        assert_eq!(ending(serde_json::json!({})), Ok(ChatEnding::AssistantTurn));
+        assert_eq!(
+            ending(serde_json::json!({"add_generation_prompt": false})),
+            Ok(ChatEnding::MessagesOnly)
+        );
+        assert_eq!(
+            ending(serde_json::json!({"continue_final_message": true})),
+            Ok(ChatEnding::ContinueLastMessage)
+        );
+        assert_eq!(
+            ending(serde_json::json!({"continue_final_message": true, "add_generation_prompt": false})),
+            Ok(ChatEnding::ContinueLastMessage)
+        );
+        assert_eq!(
+            ending(serde_json::json!({"continue_final_message": true, "add_generation_prompt": true})),
+            Err(Some("continue_final_message".to_owned()))
+        );
+        assert_eq!(
+            refused(
+                Endpoint::Completions,
+                serde_json::json!({"prompt": "x", "continue_final_message": true})
+            ),
+            Some("continue_final_message".to_owned())
+        );
     }
 
     #[test]
