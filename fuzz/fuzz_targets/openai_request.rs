@@ -4,7 +4,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use rivulet_scheduler::api::http::openai::GenerationBody;
-use rivulet_scheduler::api::http::translate::{to_draft, Endpoint};
+use rivulet_scheduler::api::http::translate::{to_drafts, Endpoint};
 use rivulet_scheduler::api::validation::sampling_params;
 
 fuzz_target!(|data: &[u8]| {
@@ -12,8 +12,10 @@ fuzz_target!(|data: &[u8]| {
         let Ok(body) = serde_json::from_slice::<GenerationBody>(data) else {
             return;
         };
-        if let Ok(draft) = to_draft(endpoint, "fuzz".to_owned(), body) {
-            let _ = sampling_params(draft.sampling);
+        if let Ok(drafts) = to_drafts(endpoint, "fuzz".to_owned(), body) {
+            for draft in drafts {
+                let _ = sampling_params(draft.sampling);
+            }
         }
     }
 });

@@ -140,6 +140,29 @@ for chunk in client.chat.completions.create(model=model, messages=expected["chat
 check(roles[0] == "assistant" and "".join(pieces) == message.message.content, f"chat stream {pieces}")
 print("chat: whole and streamed match gRPC")
 
+# --- several choices: a batch of prompts times n, OpenAI's order, each as it would be alone
+batch = client.completions.create(model=model, prompt=[prompt, long_prompt], n=2, **greedy)
+check([c.index for c in batch.choices] == [0, 1, 2, 3], f"indexes {[c.index for c in batch.choices]}")
+long_ids = known[0].choices[0].token_ids
+for c, ids in zip(batch.choices, [expected["grpc_token_ids"]] * 2 + [long_ids] * 2):
+    check(c.token_ids == ids, f"choice {c.index}: {c.token_ids} != {ids}")
+check(
+    batch.usage.completion_tokens == 4 * max_tokens
+    and batch.usage.prompt_tokens == completion.usage.prompt_tokens + known[0].usage.prompt_tokens,
+    f"each prompt counted once, every choice's output: {batch.usage}",
+)
+seeded = dict(temperature=1.0, max_tokens=max_tokens, seed=11, n=3, extra_body={"return_token_ids": True, "ignore_eos": True})
+first, again = (client.completions.create(model=model, prompt=prompt, **seeded) for _ in range(2))
+draws = [c.token_ids for c in first.choices]
+check(draws == [c.token_ids for c in again.choices], "a seeded request draws the same choices again")
+check(len({tuple(d) for d in draws}) > 1, f"n seeded choices draw differently: {draws}")
+streamed = {}
+for chunk in client.chat.completions.create(model=model, messages=expected["chat"], n=2, stream=True, **chat_greedy):
+    for c in chunk.choices:
+        streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+check(streamed == {0: message.message.content, 1: message.message.content}, f"streamed chat choices {streamed}")
+print("choices: a batch of prompts and n, whole and streamed")
+
 # --- errors in OpenAI's shape
 try:
     client.completions.create(model=model, prompt=prompt, temperature=-1)
@@ -147,8 +170,8 @@ try:
 except openai.BadRequestError as error:
     check(error.status_code == 400 and error.body["param"] == "temperature", f"{error.body}")
 try:
-    client.completions.create(model=model, prompt=prompt, n=2)
-    check(False, "n > 1 is refused")
+    client.completions.create(model=model, prompt=prompt, n=65)
+    check(False, "more than 64 choices are refused")
 except openai.BadRequestError as error:
     check(error.body["param"] == "n", f"{error.body}")
 try:

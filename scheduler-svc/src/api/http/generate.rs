@@ -1,6 +1,10 @@
 //! `POST /v1/completions` and `POST /v1/chat/completions`: whole responses, or server-sent events
 //! ending in `data: [DONE]`. A client that disconnects drops the event stream (or the handler's
 //! future), which cancels its request.
+//!
+//! A request for several choices (a batch of prompts, `n` > 1) is one engine request per choice,
+//! submitted together: a whole response waits for all of them, a stream interleaves their chunks,
+//! each choice with its `index`; the usage counts each prompt once and every choice's output.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -17,7 +21,7 @@ use super::openai::{
     AssistantMessage, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, Choice, CompletionLogprobs, GenerationBody,
     PromptTokensDetails, ResponseBody, UsageBody,
 };
-use super::translate::{to_draft, Endpoint};
+use super::translate::{to_drafts, Endpoint};
 use super::{unix_seconds, HttpState, RequestId};
 use crate::api::tracking::{openai_finish_reason, TrackedRequest};
 use crate::request::{FinishReason, SequenceEvent, TokenLogprob, Usage};
@@ -57,16 +61,21 @@ async fn generate(
         return ApiError::bad_request("stream_options", "stream_options: only with stream: true").into_response();
     }
     let return_token_ids = body.return_token_ids.unwrap_or(false);
-    let draft = match to_draft(endpoint, id.clone(), body) {
-        Ok(draft) => draft,
+    let per_prompt = body.n.unwrap_or(1).max(1) as usize;
+    let drafts = match to_drafts(endpoint, id.clone(), body) {
+        Ok(drafts) => drafts,
         Err(error) => return error.into_response(),
     };
-    let wants_logprobs = draft.sampling.logprobs;
-    let events = match state.front.submit(draft, "http") {
-        Ok(events) => events,
-        Err(error) => return ApiError::submit(endpoint, error).into_response(),
-    };
-    let builder = ChoiceBuilder {
+    let wants_logprobs = drafts[0].sampling.logprobs;
+    // Submitted together; an error drops those already in, which cancels them.
+    let mut requests = Vec::with_capacity(drafts.len());
+    for draft in drafts {
+        match state.front.submit(draft, "http") {
+            Ok(events) => requests.push(events),
+            Err(error) => return ApiError::submit(endpoint, error).into_response(),
+        }
+    }
+    let response = ResponseShape {
         endpoint,
         id: match endpoint {
             Endpoint::Completions => format!("cmpl-{id}"),
@@ -74,78 +83,179 @@ async fn generate(
         },
         created: unix_seconds(),
         model: state.front.served_model_name().to_owned(),
-        tokenizer: state.front.validator.tokenizer.clone(),
-        return_token_ids,
-        wants_logprobs,
-        text_offset: 0,
     };
+    let builders = (0..requests.len())
+        .map(|index| ChoiceBuilder {
+            index: index as u32,
+            endpoint,
+            tokenizer: state.front.validator.tokenizer.clone(),
+            return_token_ids,
+            wants_logprobs,
+            text_offset: 0,
+        })
+        .collect();
+    let usage = UsageTotals::new(per_prompt);
     if streaming {
-        stream_response(builder, events, include_usage).into_response()
+        stream_response(response, builders, requests, usage, include_usage).into_response()
     } else {
-        whole_response(builder, events).await
+        whole_response(response, builders, requests, usage).await
     }
 }
 
-async fn whole_response(mut builder: ChoiceBuilder, mut events: TrackedRequest) -> Response {
-    match events.whole_result().await {
-        Ok(done) => {
-            let choice = builder.choice(done.text, done.token_ids, &done.logprobs, Some(done.reason), false);
-            let object = builder.endpoint.object(false);
-            Json(builder.body(object, vec![choice], Some(usage_body(done.usage)))).into_response()
+/// What every body of one response shares.
+struct ResponseShape {
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl ResponseShape {
+    fn body(&self, object: &'static str, choices: Vec<Choice>, usage: Option<UsageBody>) -> ResponseBody {
+        ResponseBody {
+            id: self.id.clone(),
+            object,
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
         }
-        Err(error) => ApiError::engine(&error).into_response(),
     }
+}
+
+/// The usage of a request's choices: each prompt counted once (from its first choice; its other
+/// choices read the same prompt), every choice's output.
+struct UsageTotals {
+    per_prompt: usize,
+    total: Usage,
+}
+
+impl UsageTotals {
+    fn new(per_prompt: usize) -> Self {
+        Self {
+            per_prompt,
+            total: Usage::default(),
+        }
+    }
+
+    fn add(&mut self, index: usize, usage: Usage) {
+        if index.is_multiple_of(self.per_prompt) {
+            self.total.prompt_tokens += usage.prompt_tokens;
+            self.total.cached_prompt_tokens += usage.cached_prompt_tokens;
+        }
+        self.total.completion_tokens += usage.completion_tokens;
+    }
+}
+
+async fn whole_response(
+    response: ResponseShape,
+    mut builders: Vec<ChoiceBuilder>,
+    requests: Vec<TrackedRequest>,
+    mut usage: UsageTotals,
+) -> Response {
+    let results = futures::future::join_all(
+        requests
+            .into_iter()
+            .map(|mut events| async move { events.whole_result().await }),
+    )
+    .await;
+    let mut choices = Vec::with_capacity(results.len());
+    for (index, (result, builder)) in results.into_iter().zip(&mut builders).enumerate() {
+        match result {
+            Ok(done) => {
+                usage.add(index, done.usage);
+                choices.push(builder.choice(done.text, done.token_ids, &done.logprobs, Some(done.reason), false));
+            }
+            Err(error) => return ApiError::engine(&error).into_response(),
+        }
+    }
+    let object = response.endpoint.object(false);
+    Json(response.body(object, choices, Some(usage_body(usage.total)))).into_response()
 }
 
 fn stream_response(
-    mut builder: ChoiceBuilder,
-    events: TrackedRequest,
+    response: ResponseShape,
+    mut builders: Vec<ChoiceBuilder>,
+    requests: Vec<TrackedRequest>,
+    mut usage: UsageTotals,
     include_usage: bool,
 ) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
-    let object = builder.endpoint.object(true);
-    let opening = (builder.endpoint == Endpoint::Chat).then(|| {
-        let choice = Choice {
-            delta: Some(AssistantMessage {
-                role: Some("assistant"),
-                content: Some(String::new()),
-            }),
-            ..empty_choice()
-        };
-        json_event(&builder.body(object, vec![choice], None))
-    });
-    let chunks = events.flat_map(move |event| {
-        let mut out = Vec::new();
-        match event {
-            SequenceEvent::Tokens {
-                token_ids,
-                text,
-                logprobs,
-            } => {
-                if !text.is_empty() || !token_ids.is_empty() {
-                    let choice = builder.choice(text, token_ids, &logprobs, None, true);
-                    out.push(json_event(&builder.body(object, vec![choice], None)));
+    let object = response.endpoint.object(true);
+    let openings: Vec<_> = match response.endpoint {
+        Endpoint::Chat => builders
+            .iter()
+            .map(|builder| {
+                let choice = Choice {
+                    index: builder.index,
+                    delta: Some(AssistantMessage {
+                        role: Some("assistant"),
+                        content: Some(String::new()),
+                    }),
+                    ..empty_choice()
+                };
+                json_event(&response.body(object, vec![choice], None))
+            })
+            .collect(),
+        Endpoint::Completions => Vec::new(),
+    };
+    let mut unfinished = requests.len();
+    let tagged = stream::select_all(
+        requests
+            .into_iter()
+            .enumerate()
+            .map(|(index, events)| events.map(move |event| (index, event)).boxed()),
+    );
+    // After a failure the stream ends (`scan` returning `None`): the other choices' requests are
+    // dropped with it, which cancels them.
+    let mut failed = false;
+    let chunks = tagged
+        .scan((), move |_, (index, event)| {
+            if failed {
+                return futures::future::ready(None);
+            }
+            let builder = &mut builders[index];
+            let mut out = Vec::new();
+            match event {
+                SequenceEvent::Tokens {
+                    token_ids,
+                    text,
+                    logprobs,
+                } => {
+                    if !text.is_empty() || !token_ids.is_empty() {
+                        let choice = builder.choice(text, token_ids, &logprobs, None, true);
+                        out.push(json_event(&response.body(object, vec![choice], None)));
+                    }
+                }
+                SequenceEvent::Finished {
+                    reason,
+                    token_ids,
+                    text,
+                    usage: choice_usage,
+                    logprobs,
+                    ..
+                } => {
+                    let choice = builder.choice(text, token_ids, &logprobs, Some(reason), true);
+                    out.push(json_event(&response.body(object, vec![choice], None)));
+                    usage.add(index, choice_usage);
+                    unfinished -= 1;
+                    if include_usage && unfinished == 0 {
+                        out.push(json_event(&response.body(
+                            object,
+                            Vec::new(),
+                            Some(usage_body(usage.total)),
+                        )));
+                    }
+                }
+                SequenceEvent::Failed(error) => {
+                    failed = true;
+                    out.push(json_event(&ApiError::engine(&error).body()));
                 }
             }
-            SequenceEvent::Finished {
-                reason,
-                token_ids,
-                text,
-                usage,
-                logprobs,
-                ..
-            } => {
-                let choice = builder.choice(text, token_ids, &logprobs, Some(reason), true);
-                out.push(json_event(&builder.body(object, vec![choice], None)));
-                if include_usage {
-                    out.push(json_event(&builder.body(object, Vec::new(), Some(usage_body(usage)))));
-                }
-            }
-            SequenceEvent::Failed(error) => out.push(json_event(&ApiError::engine(&error).body())),
-        }
-        stream::iter(out)
-    });
+            futures::future::ready(Some(stream::iter(out)))
+        })
+        .flatten();
     let done = stream::once(async { Ok(Event::default().data("[DONE]")) });
-    Sse::new(stream::iter(opening).chain(chunks).chain(done)).keep_alive(KeepAlive::default())
+    Sse::new(stream::iter(openings).chain(chunks).chain(done)).keep_alive(KeepAlive::default())
 }
 
 fn json_event(value: &impl serde::Serialize) -> Result<Event, Infallible> {
@@ -176,12 +286,10 @@ fn usage_body(usage: Usage) -> UsageBody {
     }
 }
 
-/// Builds choices and bodies for one request, in its endpoint's shape.
+/// Builds one choice's parts of a response, in its endpoint's shape.
 struct ChoiceBuilder {
+    index: u32,
     endpoint: Endpoint,
-    id: String,
-    created: u64,
-    model: String,
     tokenizer: Arc<ModelTokenizer>,
     return_token_ids: bool,
     wants_logprobs: bool,
@@ -190,17 +298,6 @@ struct ChoiceBuilder {
 }
 
 impl ChoiceBuilder {
-    fn body(&self, object: &'static str, choices: Vec<Choice>, usage: Option<UsageBody>) -> ResponseBody {
-        ResponseBody {
-            id: self.id.clone(),
-            object,
-            created: self.created,
-            model: self.model.clone(),
-            choices,
-            usage,
-        }
-    }
-
     fn choice(
         &mut self,
         text: String,
@@ -218,6 +315,7 @@ impl ChoiceBuilder {
         let token_ids = self.return_token_ids.then_some(token_ids);
         match self.endpoint {
             Endpoint::Completions => Choice {
+                index: self.index,
                 text: Some(text),
                 logprobs,
                 finish_reason,
@@ -236,6 +334,7 @@ impl ChoiceBuilder {
                     (Some(content), None)
                 };
                 Choice {
+                    index: self.index,
                     message,
                     delta,
                     logprobs,

@@ -57,11 +57,13 @@ fn unsupported(param: &'static str, what: &str) -> ApiError {
 
 /// Refuses every OpenAI parameter Rivulet does not implement, unless it asks for the default.
 fn refuse_unsupported(body: &GenerationBody) -> Result<(), ApiError> {
-    if body.n.is_some_and(|n| n != 1) {
-        return Err(unsupported("n", "more than one choice"));
+    if body.n == Some(0) {
+        return Err(ApiError::bad_request("n", "n: must be at least 1"));
     }
-    if body.best_of.is_some_and(|n| n != 1) {
-        return Err(unsupported("best_of", "more than one candidate"));
+    // `best_of` above `n` ranks candidates by likelihood, which Rivulet does not; equal to `n` it
+    // asks for nothing more.
+    if body.best_of.is_some_and(|best_of| best_of != body.n.unwrap_or(1)) {
+        return Err(unsupported("best_of", "best_of other than n (ranking candidates)"));
     }
     if body.echo == Some(true) {
         return Err(unsupported("echo", "echoing the prompt"));
@@ -103,28 +105,22 @@ fn refuse_unsupported(body: &GenerationBody) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// The prompt of a completions request: one text or one list of token ids.
-fn completion_prompt(prompt: Option<PromptInput>) -> Result<Prompt, ApiError> {
-    let one = |count: usize| -> Result<(), ApiError> {
-        if count == 1 {
-            Ok(())
-        } else {
-            Err(unsupported("prompt", "a batch of prompts (send one per request)"))
-        }
+/// Choices one request may ask for in all (prompts × `n`): each is a sequence of its own.
+pub const MAX_CHOICES: usize = 64;
+
+/// The prompts of a completions request: one text or list of token ids, or a batch of either.
+fn completion_prompts(prompt: Option<PromptInput>) -> Result<Vec<Prompt>, ApiError> {
+    let prompts: Vec<Prompt> = match prompt {
+        None => return Err(ApiError::bad_request("prompt", "prompt: is required")),
+        Some(PromptInput::Text(text)) => vec![Prompt::Text(text)],
+        Some(PromptInput::TokenIds(ids)) => vec![Prompt::TokenIds(ids)],
+        Some(PromptInput::Texts(texts)) => texts.into_iter().map(Prompt::Text).collect(),
+        Some(PromptInput::TokenIdBatches(batches)) => batches.into_iter().map(Prompt::TokenIds).collect(),
     };
-    match prompt {
-        None => Err(ApiError::bad_request("prompt", "prompt: is required")),
-        Some(PromptInput::Text(text)) => Ok(Prompt::Text(text)),
-        Some(PromptInput::TokenIds(ids)) => Ok(Prompt::TokenIds(ids)),
-        Some(PromptInput::Texts(mut texts)) => {
-            one(texts.len())?;
-            Ok(Prompt::Text(texts.remove(0)))
-        }
-        Some(PromptInput::TokenIdBatches(mut batches)) => {
-            one(batches.len())?;
-            Ok(Prompt::TokenIds(batches.remove(0)))
-        }
+    if prompts.is_empty() {
+        return Err(ApiError::bad_request("prompt", "prompt: an empty batch of prompts"));
     }
+    Ok(prompts)
 }
 
 fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
@@ -189,10 +185,41 @@ fn priority(input: Option<PriorityInput>) -> Result<Priority, ApiError> {
     }
 }
 
-/// A body for `endpoint` as the domain's draft.
-pub fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<RequestDraft, ApiError> {
+/// A body for `endpoint` as the domain's drafts: one per choice, prompt by prompt, `n` choices
+/// each (OpenAI's order: choice `prompt · n + j`). With a `seed`, choice `j` of a prompt samples
+/// with `seed + j`, so that its choices differ and a rerun gives the same ones. Only the first
+/// draft keeps `id`; the others are `id-1`, `id-2`, … (their log lines and summaries).
+pub fn to_drafts(endpoint: Endpoint, id: String, body: GenerationBody) -> Result<Vec<RequestDraft>, ApiError> {
+    let n = body.n.unwrap_or(1) as usize;
+    let (first, prompts) = to_draft(endpoint, id, body)?;
+    if prompts.len().saturating_mul(n) > MAX_CHOICES {
+        return Err(ApiError::bad_request(
+            "n",
+            format!(
+                "n: {} prompts × n {n} choices exceed the {MAX_CHOICES} a request may ask for",
+                prompts.len()
+            ),
+        ));
+    }
+    let mut drafts = Vec::with_capacity(prompts.len() * n);
+    for prompt in prompts {
+        for j in 0..n {
+            let mut draft = first.clone();
+            if !drafts.is_empty() {
+                draft.id = format!("{}-{}", first.id, drafts.len());
+            }
+            draft.prompt = prompt.clone();
+            draft.sampling.seed = first.sampling.seed.map(|seed| seed.wrapping_add(j as u64));
+            drafts.push(draft);
+        }
+    }
+    Ok(drafts)
+}
+
+/// The draft of the first prompt, and every prompt of the request.
+fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<(RequestDraft, Vec<Prompt>), ApiError> {
     refuse_unsupported(&body)?;
-    let prompt = match endpoint {
+    let prompts = match endpoint {
         Endpoint::Completions => {
             if body.messages.is_some() {
                 return Err(ApiError::bad_request(
@@ -211,7 +238,7 @@ pub fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Res
                     ));
                 }
             }
-            completion_prompt(body.prompt.take())?
+            completion_prompts(body.prompt.take())?
         }
         Endpoint::Chat => {
             if body.prompt.is_some() {
@@ -220,7 +247,7 @@ pub fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Res
                     "prompt: belongs to /v1/completions; send messages here",
                 ));
             }
-            chat_messages(&mut body)?
+            vec![chat_messages(&mut body)?]
         }
     };
     let (logprobs, top_logprobs) = match (endpoint, body.logprobs, body.top_logprobs) {
@@ -261,10 +288,10 @@ pub fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Res
     if let Some(user) = &body.user {
         tracing::debug!(request_id = %id, %user, "end user");
     }
-    Ok(RequestDraft {
+    let draft = RequestDraft {
         id,
         model: body.model,
-        prompt,
+        prompt: prompts[0].clone(),
         sampling: SamplingDraft {
             temperature: body.temperature,
             top_k: body.top_k,
@@ -290,168 +317,9 @@ pub fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Res
             confidence_threshold: body.confidence_threshold,
         },
         priority: priority(body.priority)?,
-    })
+    };
+    Ok((draft, prompts))
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::chat_template::ChatEnding;
-
-    fn body(json: serde_json::Value) -> GenerationBody {
-        serde_json::from_value(json).expect("a valid body")
-    }
-
-    fn refused(endpoint: Endpoint, json: serde_json::Value) -> Option<String> {
-        to_draft(endpoint, "id".to_owned(), body(json))
-            .err()
-            .and_then(|e| e.param)
-    }
-
-    #[test]
-    fn each_endpoint_takes_its_own_shape_and_names_what_it_refuses() {
-        let draft = to_draft(
-            Endpoint::Completions,
-            "id".to_owned(),
-            body(serde_json::json!({"prompt": [[1, 2, 3]], "logprobs": 2, "max_tokens": 5, "stop": "x"})),
-        )
-        .expect("completions");
-        assert_eq!(draft.prompt, Prompt::TokenIds(vec![1, 2, 3]));
-        assert_eq!((draft.sampling.logprobs, draft.sampling.top_logprobs), (true, 2));
-        assert_eq!(draft.stopping.max_new_tokens, Some(5));
-        assert_eq!(draft.stopping.stop, vec!["x".to_owned()]);
-
-        let chat = to_draft(
-            Endpoint::Chat,
-            "id".to_owned(),
-            body(serde_json::json!({
-                "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}],
-                "logprobs": true, "top_logprobs": 3, "max_completion_tokens": 7
-            })),
-        )
-        .expect("chat");
-        let Prompt::Messages { messages, .. } = chat.prompt else {
-            panic!("messages")
-        };
-        assert_eq!(
-            (messages[0].role.as_str(), messages[0].content.as_str()),
-            ("system", "Be brief.")
-        );
-        assert_eq!((chat.sampling.top_logprobs, chat.stopping.max_new_tokens), (3, Some(7)));
-
-        let p = |s: &str| Some(s.to_owned());
-        assert_eq!(refused(Endpoint::Chat, serde_json::json!({"prompt": "x"})), p("prompt"));
-        assert_eq!(
-            refused(Endpoint::Completions, serde_json::json!({"prompt": "x", "n": 2})),
-            p("n")
-        );
-        assert_eq!(
-            refused(Endpoint::Completions, serde_json::json!({"prompt": ["a", "b"]})),
-            p("prompt")
-        );
-        assert_eq!(
-            refused(
-                Endpoint::Completions,
-                serde_json::json!({"prompt": "x", "logprobs": true})
-            ),
-            p("logprobs")
-        );
-        assert_eq!(
-            refused(
-                Endpoint::Chat,
-                serde_json::json!({"messages": [], "tools": [{"type": "function"}]})
-            ),
-            p("tools")
-        );
-        assert_eq!(
-            refused(
-                Endpoint::Chat,
-                serde_json::json!({"messages": [], "priority": "urgent"})
-            ),
-            p("priority")
-        );
-        assert!(serde_json::from_value::<GenerationBody>(serde_json::json!({"prompt": "x", "best_of_n": 2})).is_err());
-    }
-
-    #[test]
-    fn chat_takes_vllms_options_for_how_the_conversation_ends() {
-        let ending = |extra: serde_json::Value| {
-            let mut json = serde_json::json!({"messages": [{"role": "user", "content": "x"}]});
-            json.as_object_mut()
-                .expect("object")
-                .extend(extra.as_object().expect("object").clone());
-            match to_draft(Endpoint::Chat, "id".to_owned(), body(json)) {
-                Ok(draft) => match draft.prompt {
-                    Prompt::Messages { ending, .. } => Ok(ending),
-                    other => panic!("not messages: {other:?}"),
-                },
-                Err(error) => Err(error.param),
-            }
-        };
-        assert_eq!(ending(serde_json::json!({})), Ok(ChatEnding::AssistantTurn));
-        assert_eq!(
-            ending(serde_json::json!({"add_generation_prompt": false})),
-            Ok(ChatEnding::MessagesOnly)
-        );
-        assert_eq!(
-            ending(serde_json::json!({"continue_final_message": true})),
-            Ok(ChatEnding::ContinueLastMessage)
-        );
-        assert_eq!(
-            ending(serde_json::json!({"continue_final_message": true, "add_generation_prompt": false})),
-            Ok(ChatEnding::ContinueLastMessage)
-        );
-        assert_eq!(
-            ending(serde_json::json!({"continue_final_message": true, "add_generation_prompt": true})),
-            Err(Some("continue_final_message".to_owned()))
-        );
-        assert_eq!(
-            refused(
-                Endpoint::Completions,
-                serde_json::json!({"prompt": "x", "continue_final_message": true})
-            ),
-            Some("continue_final_message".to_owned())
-        );
-    }
-
-    #[test]
-    fn priority_takes_a_class_or_vllms_integer() {
-        let of = |priority: serde_json::Value| {
-            to_draft(
-                Endpoint::Completions,
-                "id".to_owned(),
-                body(serde_json::json!({"prompt": "x", "priority": priority})),
-            )
-            .map(|draft| draft.priority)
-            .ok()
-        };
-        assert_eq!(of(serde_json::json!("high")), Some(Priority::High));
-        assert_eq!(of(serde_json::json!(null)), Some(Priority::Normal));
-        assert_eq!(of(serde_json::json!(0)), Some(Priority::Normal));
-        assert_eq!(of(serde_json::json!(-1)), Some(Priority::High));
-        assert_eq!(of(serde_json::json!(-7)), Some(Priority::Critical));
-        assert_eq!(of(serde_json::json!(3)), Some(Priority::Low));
-    }
-
-    #[test]
-    fn a_value_of_the_wrong_shape_is_told_what_the_field_takes() {
-        let message = |json: serde_json::Value| {
-            serde_json::from_value::<GenerationBody>(json)
-                .err()
-                .map(|e| e.to_string())
-                .unwrap_or_default()
-        };
-        for (json, expected) in [
-            (serde_json::json!({"stop": 5}), "a string or an array of strings"),
-            (serde_json::json!({"prompt": [1, "a"]}), "an array of token ids"),
-            (
-                serde_json::json!({"messages": [{"role": "user", "content": null}]}),
-                "a string or an array of content parts",
-            ),
-            (serde_json::json!({"priority": 1.5}), "or an integer"),
-        ] {
-            let text = message(json);
-            assert!(text.contains(expected) && !text.contains("untagged"), "{text}");
-        }
-    }
-}
+mod tests;

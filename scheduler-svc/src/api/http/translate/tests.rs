@@ -1,0 +1,206 @@
+//! The HTTP front's translation: each endpoint's shape, refusals by name, choices, chat endings,
+//! priorities and what a wrongly shaped value is told.
+
+use super::*;
+use crate::chat_template::ChatEnding;
+
+fn body(json: serde_json::Value) -> GenerationBody {
+    serde_json::from_value(json).expect("a valid body")
+}
+
+/// The first choice's draft.
+fn to_draft(endpoint: Endpoint, id: String, body: GenerationBody) -> Result<RequestDraft, ApiError> {
+    to_drafts(endpoint, id, body).map(|mut drafts| drafts.remove(0))
+}
+
+fn refused(endpoint: Endpoint, json: serde_json::Value) -> Option<String> {
+    to_draft(endpoint, "id".to_owned(), body(json))
+        .err()
+        .and_then(|e| e.param)
+}
+
+#[test]
+fn each_endpoint_takes_its_own_shape_and_names_what_it_refuses() {
+    let draft = to_draft(
+        Endpoint::Completions,
+        "id".to_owned(),
+        body(serde_json::json!({"prompt": [[1, 2, 3]], "logprobs": 2, "max_tokens": 5, "stop": "x"})),
+    )
+    .expect("completions");
+    assert_eq!(draft.prompt, Prompt::TokenIds(vec![1, 2, 3]));
+    assert_eq!((draft.sampling.logprobs, draft.sampling.top_logprobs), (true, 2));
+    assert_eq!(draft.stopping.max_new_tokens, Some(5));
+    assert_eq!(draft.stopping.stop, vec!["x".to_owned()]);
+
+    let chat = to_draft(
+        Endpoint::Chat,
+        "id".to_owned(),
+        body(serde_json::json!({
+            "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}],
+            "logprobs": true, "top_logprobs": 3, "max_completion_tokens": 7
+        })),
+    )
+    .expect("chat");
+    let Prompt::Messages { messages, .. } = chat.prompt else {
+        panic!("messages")
+    };
+    assert_eq!(
+        (messages[0].role.as_str(), messages[0].content.as_str()),
+        ("system", "Be brief.")
+    );
+    assert_eq!((chat.sampling.top_logprobs, chat.stopping.max_new_tokens), (3, Some(7)));
+
+    let p = |s: &str| Some(s.to_owned());
+    assert_eq!(refused(Endpoint::Chat, serde_json::json!({"prompt": "x"})), p("prompt"));
+    assert_eq!(
+        refused(Endpoint::Completions, serde_json::json!({"prompt": "x", "n": 0})),
+        p("n")
+    );
+    assert_eq!(
+        refused(
+            Endpoint::Completions,
+            serde_json::json!({"prompt": "x", "n": 2, "best_of": 3})
+        ),
+        p("best_of")
+    );
+
+    assert_eq!(
+        refused(
+            Endpoint::Completions,
+            serde_json::json!({"prompt": "x", "logprobs": true})
+        ),
+        p("logprobs")
+    );
+    assert_eq!(
+        refused(
+            Endpoint::Chat,
+            serde_json::json!({"messages": [], "tools": [{"type": "function"}]})
+        ),
+        p("tools")
+    );
+    assert_eq!(
+        refused(
+            Endpoint::Chat,
+            serde_json::json!({"messages": [], "priority": "urgent"})
+        ),
+        p("priority")
+    );
+    assert!(serde_json::from_value::<GenerationBody>(serde_json::json!({"prompt": "x", "best_of_n": 2})).is_err());
+}
+
+#[test]
+fn prompts_and_n_fan_out_into_one_draft_per_choice() {
+    let drafts = to_drafts(
+        Endpoint::Completions,
+        "id".to_owned(),
+        body(serde_json::json!({"prompt": ["a", "b"], "n": 3, "seed": 7, "best_of": 3})),
+    )
+    .expect("a batch");
+    let described: Vec<_> = drafts
+        .iter()
+        .map(|d| (d.id.as_str(), d.prompt.clone(), d.sampling.seed))
+        .collect();
+    let text = |t: &str| Prompt::Text(t.to_owned());
+    assert_eq!(
+        described,
+        vec![
+            ("id", text("a"), Some(7)),
+            ("id-1", text("a"), Some(8)),
+            ("id-2", text("a"), Some(9)),
+            ("id-3", text("b"), Some(7)),
+            ("id-4", text("b"), Some(8)),
+            ("id-5", text("b"), Some(9)),
+        ]
+    );
+    let chat = to_drafts(
+        Endpoint::Chat,
+        "id".to_owned(),
+        body(serde_json::json!({"messages": [{"role": "user", "content": "x"}], "n": 2})),
+    )
+    .expect("chat choices");
+    assert_eq!((chat.len(), chat[1].sampling.seed), (2, None));
+    let too_many = serde_json::json!({"prompt": ["a", "b"], "n": MAX_CHOICES / 2 + 1});
+    assert_eq!(refused(Endpoint::Completions, too_many), Some("n".to_owned()));
+}
+
+#[test]
+fn chat_takes_vllms_options_for_how_the_conversation_ends() {
+    let ending = |extra: serde_json::Value| {
+        let mut json = serde_json::json!({"messages": [{"role": "user", "content": "x"}]});
+        json.as_object_mut()
+            .expect("object")
+            .extend(extra.as_object().expect("object").clone());
+        match to_draft(Endpoint::Chat, "id".to_owned(), body(json)) {
+            Ok(draft) => match draft.prompt {
+                Prompt::Messages { ending, .. } => Ok(ending),
+                other => panic!("not messages: {other:?}"),
+            },
+            Err(error) => Err(error.param),
+        }
+    };
+    assert_eq!(ending(serde_json::json!({})), Ok(ChatEnding::AssistantTurn));
+    assert_eq!(
+        ending(serde_json::json!({"add_generation_prompt": false})),
+        Ok(ChatEnding::MessagesOnly)
+    );
+    assert_eq!(
+        ending(serde_json::json!({"continue_final_message": true})),
+        Ok(ChatEnding::ContinueLastMessage)
+    );
+    assert_eq!(
+        ending(serde_json::json!({"continue_final_message": true, "add_generation_prompt": false})),
+        Ok(ChatEnding::ContinueLastMessage)
+    );
+    assert_eq!(
+        ending(serde_json::json!({"continue_final_message": true, "add_generation_prompt": true})),
+        Err(Some("continue_final_message".to_owned()))
+    );
+    assert_eq!(
+        refused(
+            Endpoint::Completions,
+            serde_json::json!({"prompt": "x", "continue_final_message": true})
+        ),
+        Some("continue_final_message".to_owned())
+    );
+}
+
+#[test]
+fn priority_takes_a_class_or_vllms_integer() {
+    let of = |priority: serde_json::Value| {
+        to_draft(
+            Endpoint::Completions,
+            "id".to_owned(),
+            body(serde_json::json!({"prompt": "x", "priority": priority})),
+        )
+        .map(|draft| draft.priority)
+        .ok()
+    };
+    assert_eq!(of(serde_json::json!("high")), Some(Priority::High));
+    assert_eq!(of(serde_json::json!(null)), Some(Priority::Normal));
+    assert_eq!(of(serde_json::json!(0)), Some(Priority::Normal));
+    assert_eq!(of(serde_json::json!(-1)), Some(Priority::High));
+    assert_eq!(of(serde_json::json!(-7)), Some(Priority::Critical));
+    assert_eq!(of(serde_json::json!(3)), Some(Priority::Low));
+}
+
+#[test]
+fn a_value_of_the_wrong_shape_is_told_what_the_field_takes() {
+    let message = |json: serde_json::Value| {
+        serde_json::from_value::<GenerationBody>(json)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default()
+    };
+    for (json, expected) in [
+        (serde_json::json!({"stop": 5}), "a string or an array of strings"),
+        (serde_json::json!({"prompt": [1, "a"]}), "an array of token ids"),
+        (
+            serde_json::json!({"messages": [{"role": "user", "content": null}]}),
+            "a string or an array of content parts",
+        ),
+        (serde_json::json!({"priority": 1.5}), "or an integer"),
+    ] {
+        let text = message(json);
+        assert!(text.contains(expected) && !text.contains("untagged"), "{text}");
+    }
+}
