@@ -66,7 +66,7 @@ async fn generate(
         Ok(drafts) => drafts,
         Err(error) => return error.into_response(),
     };
-    let wants_logprobs = drafts[0].sampling.logprobs;
+    let wants_logprobs = drafts.first().is_some_and(|draft| draft.sampling.logprobs);
     // Submitted together; an error drops those already in, which cancels them.
     let mut requests = Vec::with_capacity(drafts.len());
     for draft in drafts {
