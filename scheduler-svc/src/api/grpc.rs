@@ -54,12 +54,12 @@ fn to_draft(id: String, request: proto::GenerateRequest) -> Result<RequestDraft,
     if request.messages.is_empty() && request.add_generation_prompt.is_some() {
         return Err(ValidationError::invalid(
             Field::AddGenerationPrompt,
-            "add_generation_prompt: applies to messages only",
+            "applies to messages only",
         ));
     } else if request.messages.is_empty() && request.continue_final_message {
         return Err(ValidationError::invalid(
             Field::ContinueFinalMessage,
-            "continue_final_message: applies to messages only",
+            "applies to messages only",
         ));
     }
     let prompt = match given {

@@ -40,7 +40,7 @@ pub fn chat_ending(
     match (add_generation_prompt, continue_final_message) {
         (Some(true), true) => Err(ValidationError::invalid(
             Field::ContinueFinalMessage,
-            "continue_final_message: cannot be combined with add_generation_prompt: true",
+            "cannot be combined with add_generation_prompt: true",
         )),
         (_, true) => Ok(ChatEnding::ContinueLastMessage),
         (Some(false), false) => Ok(ChatEnding::MessagesOnly),
