@@ -151,6 +151,14 @@ check(
     and batch.usage.prompt_tokens == completion.usage.prompt_tokens + known[0].usage.prompt_tokens,
     f"each prompt counted once, every choice's output: {batch.usage}",
 )
+# A prompt's copies wait for its first choice's prefill, then take the prompt from the prefix cache.
+fresh_prompt = "A ferry crossed the bay at dawn and again at dusk, carrying carts and cattle. " * 8
+before = scrape()
+copies = client.completions.create(model=model, prompt=fresh_prompt, n=4, **greedy)
+hit = metric(scrape(), "rivulet:prefix_cache_hits_total") - metric(before, "rivulet:prefix_cache_hits_total")
+whole_blocks = (copies.usage.prompt_tokens // 16 - 1) * 16
+check(hit >= 3 * whole_blocks, f"3 copies of a {copies.usage.prompt_tokens}-token prompt hit only {hit} cached tokens")
+check(len({tuple(c.token_ids) for c in copies.choices}) == 1, "greedy copies agree")
 seeded = dict(temperature=1.0, max_tokens=max_tokens, seed=11, n=3, extra_body={"return_token_ids": True, "ignore_eos": True})
 first, again = (client.completions.create(model=model, prompt=prompt, **seeded) for _ in range(2))
 draws = [c.token_ids for c in first.choices]

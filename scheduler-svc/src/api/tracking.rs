@@ -47,6 +47,8 @@ pub struct TrackedRequest {
     generated: usize,
     /// Set once the last event went past: what the summary line reports.
     outcome: Option<&'static str>,
+    /// An event taken early ([`Self::wait_for_first_event`]), handed out first.
+    held: Option<SequenceEvent>,
 }
 
 impl TrackedRequest {
@@ -68,6 +70,15 @@ impl TrackedRequest {
             last_token: None,
             generated: 0,
             outcome: None,
+            held: None,
+        }
+    }
+
+    /// Waits until the request's first event (its first token, or its end) has arrived, and keeps
+    /// it for the stream: by then its prompt has been prefilled.
+    pub async fn wait_for_first_event(&mut self) {
+        if self.held.is_none() && self.outcome.is_none() && self.generated == 0 {
+            self.held = self.next().await;
         }
     }
 
@@ -185,6 +196,9 @@ impl Stream for TrackedRequest {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<SequenceEvent>> {
         let this = &mut *self;
+        if let Some(event) = this.held.take() {
+            return Poll::Ready(Some(event)); // observed when it was taken
+        }
         let polled = match this.events.poll_recv(cx) {
             // The engine let go without a last event (it stopped): a failure, said once.
             Poll::Ready(None) if this.outcome.is_none() => {

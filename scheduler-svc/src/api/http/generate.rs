@@ -2,9 +2,10 @@
 //! ending in `data: [DONE]`. A client that disconnects drops the event stream (or the handler's
 //! future), which cancels its request.
 //!
-//! A request for several choices (a batch of prompts, `n` > 1) is one engine request per choice,
-//! submitted together: a whole response waits for all of them, a stream interleaves their chunks,
-//! each choice with its `index`; the usage counts each prompt once and every choice's output.
+//! A request for several choices (a batch of prompts, `n` > 1) is one engine request per choice
+//! (a prompt's copies submitted once its first choice has prefilled it: [`submit_choices`]): a
+//! whole response waits for all of them, a stream interleaves their chunks, each choice with its
+//! `index`; the usage counts each prompt once and every choice's output.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -24,6 +25,7 @@ use super::openai::{
 use super::translate::{to_drafts, Endpoint};
 use super::{unix_seconds, HttpState, RequestId};
 use crate::api::tracking::{openai_finish_reason, TrackedRequest};
+use crate::api::validation::RequestDraft;
 use crate::request::{FinishReason, SequenceEvent, TokenLogprob, Usage};
 use crate::tokenizer::ModelTokenizer;
 
@@ -67,14 +69,10 @@ async fn generate(
         Err(error) => return error.into_response(),
     };
     let wants_logprobs = drafts.first().is_some_and(|draft| draft.sampling.logprobs);
-    // Submitted together; an error drops those already in, which cancels them.
-    let mut requests = Vec::with_capacity(drafts.len());
-    for draft in drafts {
-        match state.front.submit(draft, "http") {
-            Ok(events) => requests.push(events),
-            Err(error) => return ApiError::submit(endpoint, error).into_response(),
-        }
-    }
+    let requests = match submit_choices(&state, endpoint, drafts, per_prompt).await {
+        Ok(requests) => requests,
+        Err(error) => return error.into_response(),
+    };
     let response = ResponseShape {
         endpoint,
         id: match endpoint {
@@ -100,6 +98,49 @@ async fn generate(
     } else {
         whole_response(response, builders, requests, usage).await
     }
+}
+
+/// Submits every choice's draft (`per_prompt` consecutive ones per prompt). A prompt's first
+/// choice goes at once; its copies (`n` > 1) once it has its first token: by then the prompt's
+/// blocks are in the prefix cache, and each copy prefills only what the cache lacks (vLLM forks
+/// the copies after one prefill; submitted together, each would prefill the whole prompt). An
+/// error drops the requests already in, which cancels them.
+async fn submit_choices(
+    state: &HttpState,
+    endpoint: Endpoint,
+    drafts: Vec<RequestDraft>,
+    per_prompt: usize,
+) -> Result<Vec<TrackedRequest>, ApiError> {
+    let submit = |draft| {
+        state
+            .front
+            .submit(draft, "http")
+            .map_err(|error| ApiError::submit(endpoint, error))
+    };
+    let mut firsts = Vec::new();
+    let mut copies = Vec::new();
+    for (index, draft) in drafts.into_iter().enumerate() {
+        if index.is_multiple_of(per_prompt) {
+            firsts.push(submit(draft)?);
+        } else {
+            copies.push(draft);
+        }
+    }
+    if copies.is_empty() {
+        return Ok(firsts);
+    }
+    for first in &mut firsts {
+        first.wait_for_first_event().await;
+    }
+    let mut copies = copies.into_iter();
+    let mut requests = Vec::with_capacity(firsts.len() * per_prompt);
+    for first in firsts {
+        requests.push(first);
+        for draft in copies.by_ref().take(per_prompt - 1) {
+            requests.push(submit(draft)?);
+        }
+    }
+    Ok(requests)
 }
 
 /// What every body of one response shares.
