@@ -25,6 +25,7 @@ So the first call saves the model as transformers loaded it (its f32 state dict,
 tokenizer: `save_hf_folder`'s files) under `target/hf-reference/`, keyed by the GGUF file (path,
 size, modification time), this script and the library versions, and later calls load that folder
 (~0.2 s): the same tensors bit for bit, the same tokenizer. A new key's folder replaces the others.
+Greedy continuations are kept there too (`greedy`), since several tests ask for the same prompts.
 """
 import hashlib
 import json
@@ -32,6 +33,9 @@ import os
 import shutil
 import sys
 import tempfile
+
+# Greedy continuations already computed, beside the cached model (see `greedy`).
+GREEDY_STORE = "greedy.json"
 
 CACHE_ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "target", "hf-reference"))
 
@@ -57,26 +61,58 @@ def gguf_tokenizer(model_path):
 
 
 def greedy(model_path, prompts, max_new_tokens):
+    """Each prompt's greedy continuation. A prompt's first N tokens do not depend on how many
+    follow (the same loop computes them), so continuations are kept beside the cached model
+    (`greedy.json`, the longest one per prompt) and a request for no more than that many tokens
+    is answered from there: the suite asks for the same prompts at several lengths."""
     import torch
 
-    torch.manual_seed(0)
+    store_path = os.path.join(cached_hf_folder(model_path), GREEDY_STORE)
+    store = read_json(store_path)
     tokenizer = load_tokenizer(model_path)
-    model = load_model(model_path)
+    model = None
     results = []
     with torch.no_grad():
         for prompt in prompts:
+            known = store.get(prompt)
+            if known is not None and len(known["output_ids"]) >= max_new_tokens:
+                results.append({"prompt_ids": known["prompt_ids"], "output_ids": known["output_ids"][:max_new_tokens]})
+                continue
+            if model is None:
+                torch.manual_seed(0)
+                model = load_model(model_path)
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             # A plain greedy loop with a KV cache: no EOS stopping, exactly max_new_tokens tokens.
             out = model(torch.tensor([ids]), use_cache=True)
             past = out.past_key_values
             generated = []
-            for _ in range(max_new_tokens):
-                token = int(out.logits[0, -1].argmax())
-                generated.append(token)
-                out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-                past = out.past_key_values
+            while len(generated) < max_new_tokens:
+                if generated:
+                    out = model(torch.tensor([[generated[-1]]]), past_key_values=past, use_cache=True)
+                    past = out.past_key_values
+                generated.append(int(out.logits[0, -1].argmax()))
             results.append({"prompt_ids": ids, "output_ids": generated})
+            store[prompt] = results[-1]
+    if model is not None:
+        # Merged with what other calls wrote meanwhile (the longer continuation wins), then
+        # replaced atomically.
+        merged = read_json(store_path)
+        for prompt, result in store.items():
+            if len(merged.get(prompt, {}).get("output_ids", [])) < len(result["output_ids"]):
+                merged[prompt] = result
+        staging = store_path + f".{os.getpid()}"
+        with open(staging, "w") as out_file:
+            json.dump(merged, out_file)
+        os.replace(staging, store_path)
     return {"results": results, "eos_token_id": tokenizer.eos_token_id}
+
+
+def read_json(path):
+    try:
+        with open(path) as in_file:
+            return json.load(in_file)
+    except (OSError, ValueError):
+        return {}
 
 
 def logprobs(model_path, prompt_ids, output_ids, top):
@@ -222,7 +258,8 @@ def save_hf_folder(model_path, out_dir):
     folder = cached_hf_folder(model_path)
     os.makedirs(out_dir, exist_ok=True)
     for name in os.listdir(folder):
-        shutil.copy(os.path.join(folder, name), os.path.join(out_dir, name))
+        if name != GREEDY_STORE:
+            shutil.copy(os.path.join(folder, name), os.path.join(out_dir, name))
     return {"files": sorted(os.listdir(out_dir))}
 
 
