@@ -27,6 +27,7 @@ size, modification time), this script and the library versions, and later calls 
 (~0.2 s): the same tensors bit for bit, the same tokenizer. A new key's folder replaces the others.
 Greedy continuations are kept there too (`greedy`), since several tests ask for the same prompts.
 """
+import functools
 import hashlib
 import json
 import os
@@ -200,6 +201,7 @@ def convert_to_hf_folder(model_path, out_dir):
     tokenizer.save_pretrained(out_dir)
 
 
+@functools.cache  # one key (and one conversion) per call of the script
 def cached_hf_folder(model_path):
     """The cached folder for `model_path` (see the module's doc), converted on first use."""
     import gguf

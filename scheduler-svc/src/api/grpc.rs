@@ -51,16 +51,19 @@ fn to_draft(id: String, request: proto::GenerateRequest) -> Result<RequestDraft,
     ];
     // The chat options shape the template's prompt; with a prompt given as such they would change
     // nothing, so they are refused rather than ignored.
-    if request.messages.is_empty() && request.add_generation_prompt.is_some() {
-        return Err(ValidationError::invalid(
-            Field::AddGenerationPrompt,
-            "applies to messages only",
-        ));
-    } else if request.messages.is_empty() && request.continue_final_message {
-        return Err(ValidationError::invalid(
-            Field::ContinueFinalMessage,
-            "applies to messages only",
-        ));
+    if request.messages.is_empty() {
+        if request.add_generation_prompt.is_some() {
+            return Err(ValidationError::invalid(
+                Field::AddGenerationPrompt,
+                "applies to messages only",
+            ));
+        }
+        if request.continue_final_message {
+            return Err(ValidationError::invalid(
+                Field::ContinueFinalMessage,
+                "applies to messages only",
+            ));
+        }
     }
     let prompt = match given {
         [true, false, false] => Prompt::Text(request.prompt),

@@ -266,13 +266,7 @@ impl Engine {
             .iter()
             .filter_map(|seq| seq.unrouted_since)
             .min()
-            .map(|since| since + self.no_worker_timeout());
-        // With no replica left and none able to attach, waiting requests end at once.
-        let no_worker = if self.no_worker_can_come() && !self.unrouted.is_empty() {
-            Some(Instant::now())
-        } else {
-            no_worker
-        };
+            .map(|since| since + self.no_worker_wait());
         // A drain deadline that already fired is not waited for again: what it could not end at
         // once (sequences in a step) is ended when that step returns.
         let drain = self.drain_deadline.filter(|deadline| *deadline > Instant::now());
@@ -288,6 +282,15 @@ impl Engine {
     /// error. (Spawned replicas stay in the pool while their worker restarts.)
     fn no_worker_can_come(&self) -> bool {
         self.replicas.is_empty() && self.attach_listener.is_none()
+    }
+
+    /// How long an unrouted request waits for a worker: none when none can come.
+    fn no_worker_wait(&self) -> Duration {
+        if self.no_worker_can_come() {
+            Duration::ZERO
+        } else {
+            self.no_worker_timeout()
+        }
     }
 
     fn handle(&mut self, input: EngineInput) {
@@ -368,17 +371,16 @@ impl Engine {
             }
             self.fail_everything(&EngineError::ShuttingDown);
         }
-        let (timeout, error) = if self.no_worker_can_come() {
-            let reason =
-                "no worker replica is left (each was drained) and none can attach (worker.attach_socket is unset)";
-            (Duration::ZERO, EngineError::WorkerUnavailable(reason.to_owned()))
-        } else {
-            let timeout = self.no_worker_timeout();
-            let reason = format!("no worker was ready within {timeout:?}");
-            (timeout, EngineError::WorkerUnavailable(reason))
-        };
+        let timeout = self.no_worker_wait();
         let expired = |seq: &Sequence| seq.unrouted_since.is_some_and(|since| now >= since + timeout);
         if self.unrouted.iter().any(expired) {
+            let reason = if self.no_worker_can_come() {
+                "no worker replica is left (each was drained) and none can attach (worker.attach_socket is unset)"
+                    .to_owned()
+            } else {
+                format!("no worker was ready within {timeout:?}")
+            };
+            let error = EngineError::WorkerUnavailable(reason);
             self.unrouted.retain_mut(|seq| {
                 if expired(seq) {
                     let _ = seq.events.send(SequenceEvent::Failed(error.clone()));

@@ -248,10 +248,9 @@ fn stream_response(
     );
     // After a failure the stream ends (`scan` returning `None`): the other choices' requests are
     // dropped with it, which cancels them.
-    let mut failed = false;
     let chunks = tagged
-        .scan((), move |_, (index, event)| {
-            if failed {
+        .scan(false, move |failed, (index, event)| {
+            if *failed {
                 return futures::future::ready(None);
             }
             let builder = &mut builders[index];
@@ -288,7 +287,7 @@ fn stream_response(
                     }
                 }
                 SequenceEvent::Failed(error) => {
-                    failed = true;
+                    *failed = true;
                     out.push(json_event(&ApiError::engine(&error).body()));
                 }
             }

@@ -154,7 +154,7 @@ fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
         converted.push(ChatMessage { role, content });
     }
     let ending = chat_ending(body.add_generation_prompt, body.continue_final_message.unwrap_or(false))
-        .map_err(|e| ApiError::bad_request("continue_final_message", format!("continue_final_message: {e}")))?;
+        .map_err(|e| ApiError::submit(Endpoint::Chat, e.into()))?;
     Ok(Prompt::Messages {
         messages: converted,
         ending,
