@@ -7,8 +7,9 @@
 //! [repeats [block_size]]]]]]` (defaults 2 32 256 30 1 16). With 30 layers a 32-sequence
 //! step's 377 MB come from memory; `-- 1 4 256 1 100` keeps one 1.6 MB layer in L2 where L2
 //! holds it (the Xeon's 2 MB; not Zen 4's 1 MB: `-- 1 2 256 1 200` there), which times the
-//! arithmetic, plus rayon's hand-off for each of the 100 calls (~30% of the thread's time in a
-//! profile on 2 vCPUs).
+//! arithmetic. Each timed step runs as the worker runs one, inside the pool with its other
+//! threads awake (`install_awake`): until the fortieth round they slept between calls, and each
+//! call paid rayon's hand-off (~30% of the thread's time in a profile on 2 vCPUs).
 //! Block tables are shuffled, as a serving cache hands blocks out; `ATTENTION_IN_ORDER=1` gives
 //! each sequence consecutive blocks instead. A second line times the same keys and values read
 //! in the same runs and order with nothing computed (each run's successor fetched into L2, as
@@ -22,6 +23,7 @@ use rayon::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rivulet_kernels::attention::{paged_attention, AttentionShape, TokenKeys};
+use rivulet_kernels::awake::install_awake;
 use rivulet_kernels::prefetch_l2;
 
 fn arg(n: usize, default: usize) -> usize {
@@ -31,10 +33,10 @@ fn arg(n: usize, default: usize) -> usize {
 fn main() {
     let (threads, batch, context, layers, repeats) = (arg(1, 2), arg(2, 32), arg(3, 256), arg(4, 30), arg(5, 1));
     let block_size = arg(6, 16);
-    rayon::ThreadPoolBuilder::new()
+    let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
-        .build_global()
-        .expect("one pool");
+        .build()
+        .expect("a pool");
     let shape = AttentionShape {
         heads: 9,
         kv_heads: 3,
@@ -69,7 +71,7 @@ fn main() {
         .collect();
     let mut out = vec![0f32; batch * q_width];
     let bytes = (batch * context * shape.kv_heads * shape.head_dim * 2 * 4 * layers * repeats) as f64;
-    let median = median_step(&caches, layers * repeats, |k, v| {
+    let median = median_step(&pool, &caches, layers * repeats, |k, v| {
         paged_attention(shape, &queries, q_width, &tokens, k, v, &mut out);
     });
     println!(
@@ -99,7 +101,7 @@ fn main() {
                 .collect()
         })
         .collect();
-    let plain = median_step(&caches, layers * repeats, |k, v| {
+    let plain = median_step(&pool, &caches, layers * repeats, |k, v| {
         let total: f32 = unit_runs
             .par_iter()
             .map(|runs| read_runs(k, runs) + read_runs(v, runs))
@@ -114,14 +116,23 @@ fn main() {
     );
 }
 
-/// The median of 15 timings of one step: `visit` on `visits` layers' keys and values in turn.
-fn median_step(caches: &[(Vec<f32>, Vec<f32>)], visits: usize, mut visit: impl FnMut(&[f32], &[f32])) -> f64 {
+/// The median of 15 timings of one step: `visit` on `visits` layers' keys and values in turn,
+/// run as the worker runs a step: inside `pool` with its other threads kept awake
+/// (`install_awake`), so that no call hands off to a sleeping thread.
+fn median_step(
+    pool: &rayon::ThreadPool,
+    caches: &[(Vec<f32>, Vec<f32>)],
+    visits: usize,
+    mut visit: impl FnMut(&[f32], &[f32]) + Send,
+) -> f64 {
     let mut times: Vec<f64> = (0..15)
         .map(|_| {
             let started = Instant::now();
-            for (k, v) in caches.iter().cycle().take(visits) {
-                visit(k, v);
-            }
+            install_awake(pool, || {
+                for (k, v) in caches.iter().cycle().take(visits) {
+                    visit(k, v);
+                }
+            });
             started.elapsed().as_secs_f64()
         })
         .collect();

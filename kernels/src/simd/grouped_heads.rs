@@ -154,6 +154,13 @@ fn weighted_rows_avx2_takes(group: usize, dim: usize) -> bool {
 
 /// `G` heads, `CV` vectors of each head's output per pass; returns true (the dispatch checked
 /// that `dim` is a multiple of `8 · CV`).
+///
+/// The `G · CV` accumulators stay in registers across all rows only if every other live vector
+/// fits beside them in AVX2's sixteen: for SmolLM2's groups of three (`CV` 4) the row's four
+/// value vectors and a broadcast weight made seventeen, and the compiler kept an accumulator on
+/// the stack, a store and a reload in its FMA chain every row. With the group's three weights
+/// broadcast first and each value vector loaded as it is used, sixteen: on Zen 3, one thread
+/// over 255 rows in cache, 10–16 ns a row against 20–24 (the fortieth round).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn weighted_rows_avx2<const G: usize, const CV: usize>(
@@ -182,11 +189,24 @@ unsafe fn weighted_rows_avx2<const G: usize, const CV: usize>(
                     }
                 }
                 let row = values.add(offset + slice);
-                let v: [__m256; CV] = std::array::from_fn(|c| _mm256_loadu_ps(row.add(8 * c)));
-                for (g, head) in acc.iter_mut().enumerate() {
-                    let w = _mm256_broadcast_ss(&*weights.add(t * G + g));
-                    for (a, vc) in head.iter_mut().zip(&v) {
-                        *a = _mm256_fmadd_ps(w, *vc, *a);
+                // Sixteen vector registers: where the group's broadcast weights fit beside the
+                // accumulators, each value vector is loaded as it is used; else the row's
+                // vectors are loaded first and each weight broadcast as it is used.
+                if G * CV + G < 16 {
+                    let w: [__m256; G] = std::array::from_fn(|g| _mm256_broadcast_ss(&*weights.add(t * G + g)));
+                    for c in 0..CV {
+                        let v = _mm256_loadu_ps(row.add(8 * c));
+                        for (head, w) in acc.iter_mut().zip(&w) {
+                            head[c] = _mm256_fmadd_ps(*w, v, head[c]);
+                        }
+                    }
+                } else {
+                    let v: [__m256; CV] = std::array::from_fn(|c| _mm256_loadu_ps(row.add(8 * c)));
+                    for (g, head) in acc.iter_mut().enumerate() {
+                        let w = _mm256_broadcast_ss(&*weights.add(t * G + g));
+                        for (a, vc) in head.iter_mut().zip(&v) {
+                            *a = _mm256_fmadd_ps(w, *vc, *a);
+                        }
                     }
                 }
             }
@@ -271,7 +291,18 @@ pub fn score_keys(
         let kernel = if has_avx512() && dim.is_multiple_of(16) && dim > 0 {
             score_keys_instance!(score_keys_avx512, group)
         } else if has_avx2() && dim.is_multiple_of(8) && dim > 0 {
-            score_keys_instance!(score_keys_avx2, group)
+            // Keys a pass: as many as keep twelve sums in flight (see `score_keys_avx2`).
+            match group {
+                1 => Some(score_keys_avx2::<1, 12> as ScoreKeysKernel),
+                2 => Some(score_keys_avx2::<2, 6> as ScoreKeysKernel),
+                3 => Some(score_keys_avx2::<3, 4> as ScoreKeysKernel),
+                4 => Some(score_keys_avx2::<4, 3> as ScoreKeysKernel),
+                5 => Some(score_keys_avx2::<5, 2> as ScoreKeysKernel),
+                6 => Some(score_keys_avx2::<6, 2> as ScoreKeysKernel),
+                7 => Some(score_keys_avx2::<7, 1> as ScoreKeysKernel),
+                8 => Some(score_keys_avx2::<8, 1> as ScoreKeysKernel),
+                _ => None,
+            }
         } else {
             None
         };
@@ -363,9 +394,27 @@ unsafe fn score_keys_avx512<const G: usize>(
 /// of horizontal adds over all of them, not `G` separate ones. `rivulet-worker-bench`, 32
 /// sequences at context 512, three alternating runs: 125.8 ms per step before, 102.8 with one
 /// key a pass, 93.4 with two.
+/// [`score_keys`] on AVX2 for `G` query heads, `K` keys a pass (the dispatch checked that `dim`
+/// is a positive multiple of 8 and that `G · K <= 12`).
+///
+/// Only the key rows are fetched ahead here where [`weighted_rows`]' AVX2 loop will sum the
+/// values (`weighted_rows_avx2_takes`): it fetches the value rows as it sums them. Fetched here
+/// too, the scoring loop carried both rows' traffic and the weighted sum none, so memory idled
+/// through the sum: on Zen 3, attention over a real 256-token context at
+/// 32 sequences took 28.8–31.8 ms per step with the fetches split against 32.7–38.4 with both
+/// here (four alternations), and one sequence 1.41–1.67 against 1.52–1.99 ms (five).
+///
+/// Why `K` keys a pass: each key's `G` sums are chains of dependent FMAs (`dim / 8` long), and
+/// Zen 3 needs eight in flight to keep its two FMA pipes busy. Called once per key
+/// ([`group_dots`]), a 32-sequence decode step at context 256 on a Zen 3 EPYC spent ~12% of its
+/// time scoring keys; one key a pass (three chains for SmolLM2), then two (six), 125.8 → 102.8
+/// → 93.4 ms per step at context 512. Twelve chains (four keys a pass for SmolLM2's groups of
+/// three), on the same kind of machine, one thread over 255 keys in cache: 10–18 ns a key
+/// against 13–26 with two keys a pass (the fortieth round). The `K · G` sums of a pass are
+/// reduced together, eight at a time, by trees of horizontal adds.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn score_keys_avx2<const G: usize>(
+unsafe fn score_keys_avx2<const G: usize, const K: usize>(
     queries: *const f32,
     keys: *const f32,
     values: *const f32,
@@ -374,20 +423,18 @@ unsafe fn score_keys_avx2<const G: usize>(
     scale: f32,
     scores: *mut f32,
 ) {
-    // SAFETY (whole body): see `score_keys`; `G <= 8` (the dispatch).
+    // SAFETY (whole body): see `score_keys`; `G · K <= 12` (the dispatch).
     unsafe {
         // The value rows too, unless the weighted sum's AVX2 loop fetches them itself.
         let value_rows = (!weighted_rows_avx2_takes(G, dim)).then_some(values);
         for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
             prefetch_key_rows::<_MM_HINT_T1>(keys, value_rows, ahead, dim);
         }
-        let scale = _mm256_set1_ps(scale);
-        // Groups of up to 4 heads score two keys a pass (key `t`'s sums in vectors 0..G, key
-        // `t + 1`'s in 4..4 + G): twice the independent FMA chains, and one reduction for both.
-        let per_pass = if G <= 4 { 2 } else { 1 };
         let mut t = 0;
         while t < offsets.len() {
-            let keys_now = per_pass.min(offsets.len() - t);
+            // `K` keys a pass while `K` are left, then one at a time.
+            let whole = t + K <= offsets.len();
+            let keys_now = if whole { K } else { 1 };
             for ahead in t..t + keys_now {
                 if let Some(&ahead) = offsets.get(ahead + PREFETCH_L2_ROWS_AHEAD) {
                     prefetch_key_rows::<_MM_HINT_T1>(keys, value_rows, ahead, dim);
@@ -396,25 +443,59 @@ unsafe fn score_keys_avx2<const G: usize>(
                     prefetch_key_rows::<_MM_HINT_T0>(keys, value_rows, ahead, dim);
                 }
             }
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for (key, acc) in acc.chunks_exact_mut(4.max(G)).take(keys_now).enumerate() {
-                let row = keys.add(offsets[t + key]);
-                for c in (0..dim).step_by(8) {
-                    let k = _mm256_loadu_ps(row.add(c));
-                    for (g, a) in acc.iter_mut().enumerate().take(G) {
-                        *a = _mm256_fmadd_ps(_mm256_loadu_ps(queries.add(g * dim + c)), k, *a);
-                    }
-                }
-            }
-            // The last pass's last sum sits in vector `(keys_now - 1) · 4 + G - 1`.
-            let sums = _mm256_mul_ps(scale, sums_of_eight(&acc, (keys_now - 1) * 4 + G));
-            let mut lanes = [0f32; 8];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), sums);
-            for key in 0..keys_now {
-                let from = lanes.as_ptr().add(key * 4.max(G));
-                std::ptr::copy_nonoverlapping(from, scores.add((t + key) * G), G);
+            if whole {
+                score_pass::<G, K>(queries, keys, &offsets[t..], dim, scale, scores.add(t * G));
+            } else {
+                score_pass::<G, 1>(queries, keys, &offsets[t..], dim, scale, scores.add(t * G));
             }
             t += keys_now;
+        }
+    }
+}
+
+/// The scores of the `K` keys at `offsets[..K]` for `G` heads into `scores[..K · G]` (`[key][G]`,
+/// so consecutive): `K · G <= 12` independent FMA chains, their sums reduced eight at a time.
+///
+/// # Safety
+/// As `score_keys_avx2`, with `offsets` holding at least `K` rows and `scores` `K · G` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn score_pass<const G: usize, const K: usize>(
+    queries: *const f32,
+    keys: *const f32,
+    offsets: &[usize],
+    dim: usize,
+    scale: f32,
+    scores: *mut f32,
+) {
+    // SAFETY (whole body): see above; `acc` holds 16 vectors, so each reduction's eight lie in it.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); 16];
+        let rows: [*const f32; K] = std::array::from_fn(|key| keys.add(offsets[key]));
+        for c in (0..dim).step_by(8) {
+            for key in 0..K {
+                let k = _mm256_loadu_ps(rows[key].add(c));
+                for g in 0..G {
+                    acc[key * G + g] = _mm256_fmadd_ps(_mm256_loadu_ps(queries.add(g * dim + c)), k, acc[key * G + g]);
+                }
+            }
+        }
+        let n = K * G;
+        let scale = _mm256_set1_ps(scale);
+        let mut done = 0;
+        while done < n {
+            let chunk: &[__m256; 8] = &*(acc.as_ptr().add(done) as *const [__m256; 8]);
+            let used = (n - done).min(8);
+            let sums = _mm256_mul_ps(scale, sums_of_eight(chunk, used));
+            if used == 8 {
+                _mm256_storeu_ps(scores.add(done), sums);
+            } else {
+                let mut lanes = [0f32; 8];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), sums);
+                std::ptr::copy_nonoverlapping(lanes.as_ptr(), scores.add(done), used);
+            }
+            done += used;
         }
     }
 }
