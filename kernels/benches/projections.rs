@@ -56,7 +56,17 @@ fn main() {
 fn run(pool: &rayon::ThreadPool, threads: usize, batches: &[usize], formats: &str) {
     let mut rng = StdRng::seed_from_u64(1);
     // One SmolLM2-135M layer: QKV, O, gate+up, down.
-    let shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)];
+    // PROJECTIONS_SHAPES=960x576,576x576 times those `rows`x`cols` matrices instead (one
+    // projection's own rate, or a small one's fixed cost per call).
+    let shapes: Vec<(usize, usize)> = std::env::var("PROJECTIONS_SHAPES").map_or_else(
+        |_| vec![(960, 576), (576, 576), (3072, 576), (576, 1536)],
+        |list| {
+            list.split(',')
+                .filter_map(|shape| shape.split_once('x'))
+                .filter_map(|(rows, cols)| Some((rows.parse().ok()?, cols.parse().ok()?)))
+                .collect()
+        },
+    );
     let layers = 30;
     // PROJECTIONS_DISTINCT=n builds only n layers' matrices and cycles through them: with 1 the
     // weights stay in the caches, which separates the kernels' arithmetic from memory's share.
