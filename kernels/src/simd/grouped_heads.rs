@@ -377,23 +377,6 @@ unsafe fn score_keys_avx512<const G: usize>(
     }
 }
 
-/// [`score_keys`] on AVX2 for `G` query heads (the dispatch checked that `dim` is a positive
-/// multiple of 8).
-///
-/// Only the key rows are fetched ahead here where [`weighted_rows`]' AVX2 loop will sum the
-/// values (`weighted_rows_avx2_takes`): it fetches the value rows as it sums them. Fetched here
-/// too, the scoring loop carried both rows' traffic and the weighted sum none, so memory idled
-/// through the sum: on Zen 3, attention over a real 256-token context at
-/// 32 sequences took 28.8–31.8 ms per step with the fetches split against 32.7–38.4 with both
-/// here (four alternations), and one sequence 1.41–1.67 against 1.52–1.99 ms (five).
-///
-/// As the AVX-512 loop: one loop over every key, so that the keys' short FMA chains overlap.
-/// Called once per key ([`group_dots`]), a 32-sequence decode step at context 256 on a Zen 3
-/// EPYC spent ~12% of its time scoring keys (8% after the loop with one key a pass). The
-/// group's `G` sums of a key (of two keys, for groups of up to 4) are reduced together: a tree
-/// of horizontal adds over all of them, not `G` separate ones. `rivulet-worker-bench`, 32
-/// sequences at context 512, three alternating runs: 125.8 ms per step before, 102.8 with one
-/// key a pass, 93.4 with two.
 /// [`score_keys`] on AVX2 for `G` query heads, `K` keys a pass (the dispatch checked that `dim`
 /// is a positive multiple of 8 and that `G · K <= 12`).
 ///
