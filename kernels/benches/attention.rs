@@ -35,6 +35,7 @@ fn main() {
     let block_size = arg(6, 16);
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
+        .start_handler(|_| rivulet_kernels::flush_subnormals_on_this_thread())
         .build()
         .expect("a pool");
     let shape = AttentionShape {

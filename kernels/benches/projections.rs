@@ -67,6 +67,7 @@ fn run(pool: &rayon::ThreadPool, threads: usize, batches: &[usize], formats: &st
                 .collect()
         },
     );
+    assert!(!shapes.is_empty(), "PROJECTIONS_SHAPES takes ROWSxCOLS[,ROWSxCOLS…]");
     let layers = 30;
     // PROJECTIONS_DISTINCT=n builds only n layers' matrices and cycles through them: with 1 the
     // weights stay in the caches, which separates the kernels' arithmetic from memory's share.
