@@ -300,29 +300,43 @@ unsafe fn score_keys_avx512<const G: usize, const K: usize>(
         for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
             prefetch_key_rows::<_MM_HINT_T1>(keys, Some(values), ahead, dim);
         }
-        let mut t = 0;
-        while t < offsets.len() {
-            // `K` keys a pass while `K` are left, then one at a time.
-            let whole = t + K <= offsets.len();
-            let keys_now = if whole { K } else { 1 };
-            for ahead in t..t + keys_now {
-                if let Some(&ahead) = offsets.get(ahead + PREFETCH_L2_ROWS_AHEAD) {
+        in_passes::<K>(
+            offsets.len(),
+            |t| {
+                if let Some(&ahead) = offsets.get(t + PREFETCH_L2_ROWS_AHEAD) {
                     prefetch_key_rows::<_MM_HINT_T1>(keys, Some(values), ahead, dim);
                 }
                 // Key rows only: the value rows are summed after every key of the part is
                 // scored, by when rows fetched into L1 this early have left it (measured at
                 // `score_keys`).
-                if let Some(&ahead) = offsets.get(ahead + PREFETCH_ROWS_AHEAD) {
+                if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
                     prefetch_packed_row::<_MM_HINT_T0>(keys, ahead, dim);
                 }
-            }
-            if whole {
-                score_pass_avx512::<G, K>(queries, keys, &offsets[t..], dim, scale, scores.add(t * G));
-            } else {
-                score_pass_avx512::<G, 1>(queries, keys, &offsets[t..], dim, scale, scores.add(t * G));
-            }
-            t += keys_now;
-        }
+            },
+            |t, whole| {
+                let (rows, out) = (&offsets[t..], scores.add(t * G));
+                if whole {
+                    score_pass_avx512::<G, K>(queries, keys, rows, dim, scale, out);
+                } else {
+                    score_pass_avx512::<G, 1>(queries, keys, rows, dim, scale, out);
+                }
+            },
+        );
+    }
+}
+
+/// Walks `count` keys `K` a pass while `K` are left, then one at a time: `fetch(t)` for each key
+/// `t` of a pass, then `pass(first, whole)` (`whole` for a pass of `K`). The scoring loops' shared
+/// walk; inlined into each, with their target features.
+#[inline(always)]
+fn in_passes<const K: usize>(count: usize, mut fetch: impl FnMut(usize), mut pass: impl FnMut(usize, bool)) {
+    let mut t = 0;
+    while t < count {
+        let whole = t + K <= count;
+        let keys_now = if whole { K } else { 1 };
+        (t..t + keys_now).for_each(&mut fetch);
+        pass(t, whole);
+        t += keys_now;
     }
 }
 
@@ -451,26 +465,25 @@ unsafe fn score_keys_avx2<const G: usize, const K: usize>(
         for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
             prefetch_key_rows::<_MM_HINT_T1>(keys, value_rows, ahead, dim);
         }
-        let mut t = 0;
-        while t < offsets.len() {
-            // `K` keys a pass while `K` are left, then one at a time.
-            let whole = t + K <= offsets.len();
-            let keys_now = if whole { K } else { 1 };
-            for ahead in t..t + keys_now {
-                if let Some(&ahead) = offsets.get(ahead + PREFETCH_L2_ROWS_AHEAD) {
+        in_passes::<K>(
+            offsets.len(),
+            |t| {
+                if let Some(&ahead) = offsets.get(t + PREFETCH_L2_ROWS_AHEAD) {
                     prefetch_key_rows::<_MM_HINT_T1>(keys, value_rows, ahead, dim);
                 }
-                if let Some(&ahead) = offsets.get(ahead + PREFETCH_ROWS_AHEAD) {
+                if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
                     prefetch_key_rows::<_MM_HINT_T0>(keys, value_rows, ahead, dim);
                 }
-            }
-            if whole {
-                score_pass::<G, K>(queries, keys, &offsets[t..], dim, scale, scores.add(t * G));
-            } else {
-                score_pass::<G, 1>(queries, keys, &offsets[t..], dim, scale, scores.add(t * G));
-            }
-            t += keys_now;
-        }
+            },
+            |t, whole| {
+                let (rows, out) = (&offsets[t..], scores.add(t * G));
+                if whole {
+                    score_pass::<G, K>(queries, keys, rows, dim, scale, out);
+                } else {
+                    score_pass::<G, 1>(queries, keys, rows, dim, scale, out);
+                }
+            },
+        );
     }
 }
 
