@@ -1,7 +1,8 @@
 //! The crate's only `unsafe` (here and in its children [`row_gemv`], [`packed_gemm`],
 //! [`packed_gemm_avx512`], [`gemv_q4_1`], [`panels`], [`panel_gemv`], [`panel_gemv_avx2`],
 //! [`panel_pair_gemv`], [`panel_digits_avx2`], [`panel_digits_avx512`], [`panel_digits_vnni`],
-//! [`amx`], [`grouped_heads`], [`kv24`], [`prompt_scores`] and [`decode`]): AVX2 + FMA +
+//! [`amx`], [`grouped_heads`] (and its `passes_avx512`), [`kv24`], [`prompt_scores`] and
+//! [`decode`]): AVX2 + FMA +
 //! F16C code paths, AVX-512 ones, an AMX one (with its own invariants, stated there), and the
 //! output handle that lets parallel tasks write disjoint columns of one matrix.
 //!
