@@ -36,7 +36,16 @@ pub fn summarize_row(row: &[f32]) -> RowSummary {
 /// The first index holding the row's largest value (NaN ignored; 0 for an all-NaN row).
 pub fn argmax(row: &[f32]) -> usize {
     let max = row_max(row);
-    row.iter().position(|&v| v == max).unwrap_or(0)
+    // Whole chunks first (a comparison the compiler vectorizes), then the chunk that holds it.
+    let chunk = row
+        .chunks(64)
+        .position(|chunk| chunk.iter().fold(false, |found, &v| found | (v == max)));
+    chunk
+        .and_then(|chunk| {
+            let start = chunk * 64;
+            row[start..].iter().position(|&v| v == max).map(|offset| start + offset)
+        })
+        .unwrap_or(0)
 }
 
 /// The largest value, over 16 lanes that the compiler keeps in vector registers (NaN ignored).

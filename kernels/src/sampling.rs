@@ -5,9 +5,23 @@
 //! the worker's tests hold this module to: repetition penalty over the prompt's and the
 //! generated tokens, frequency and presence penalties over the generated ones; then the logits
 //! times the temperature's reciprocal; top-k; top-p over the distribution top-k left, renormalized; min-p
-//! against the most likely token; then one draw by inverse CDF in token-id order, with a uniform
-//! number that is a pure function of the sequence's seed and draw index ([`seeded_uniform`]), so
-//! a seeded sequence draws the same whatever shares its batch, and after a preemption.
+//! against the most likely token; then one draw as an exponential race ([`race_key`]): each
+//! token `t` left with weight `w_t` gets an exponential number `E_t` that is a pure function of
+//! the sequence's seed, its draw index and `t`, and the token with the largest `w_t / E_t` wins
+//! (a draw from the weights' distribution, exactly: the race is the Gumbel-max trick in
+//! another form). So a seeded sequence draws the same whatever shares its batch, after a
+//! preemption, and after a worker's restart.
+//!
+//! Why a race and not one uniform number by inverse CDF (what this module did before): a step
+//! computes a row's logits in other kernels at other batch sizes, from the prefix cache or after
+//! a restart, so the same sequence's logits differ between runs in their last bits (~1e-6
+//! relative). Inverse CDF walks the whole vocabulary's cumulative mass, so such a difference
+//! moves every later boundary, and a draw landing in the long tail of unlikely tokens (each
+//! ~1e-6 of the mass) changed token in a few per cent of the draws of a 48-token stream. In the
+//! race a token changes only if the two best `w_t / E_t` lie within that relative difference of
+//! each other, about as often as the difference itself. And the race is cheap: one pass of a
+//! 32-bit hash over the row ([`race_bits`], vectorized) rules out almost every token against the
+//! most likely token's own score; only the few left take a logarithm.
 //!
 //! Why here and not libtorch: the batched tensor version built a `[rows, vocab]` tensor per stage
 //! (and a per-token random number for the Gumbel trick it used before), on one thread; serving 32
@@ -16,7 +30,7 @@
 
 mod nucleus;
 
-use crate::logits::{argmax, row_max};
+use crate::logits::argmax;
 use nucleus::find_cut;
 
 /// The random part of one row's sampling parameters.
@@ -87,13 +101,47 @@ pub fn apply_penalties(row: &mut [f32], history: &[i64], prompt_len: usize, pena
     }
 }
 
-/// A uniform number in (0, 1) from the sequence's seed and draw index alone: splitmix64 of a
-/// counter mixing the two, its top 53 bits, offset by half a step so neither end is reached.
-pub fn seeded_uniform(seed: i64, draw_index: i64) -> f64 {
-    let counter = (seed as u64)
-        .wrapping_mul(MIX1)
-        .wrapping_add((draw_index as u64).wrapping_mul(GOLDEN));
-    ((splitmix64(counter) >> 11) as f64 + 0.5) * (1.0 / (1u64 << 53) as f64)
+/// The race's key for one draw: splitmix64 of a counter mixing the sequence's seed and draw
+/// index. With [`race_bits`] it is the only randomness a draw uses.
+pub fn race_key(seed: i64, draw_index: i64) -> u64 {
+    splitmix64(
+        (seed as u64)
+            .wrapping_mul(MIX1)
+            .wrapping_add((draw_index as u64).wrapping_mul(GOLDEN)),
+    )
+}
+
+/// Token `token`'s 32 random bits in the race keyed `key`: murmur3's 32-bit finalizer of the
+/// token spread by a multiplication and the key's halves XORed in. For one key, distinct tokens
+/// get distinct bits (each step is a bijection of the 32-bit word). A few integer operations, so
+/// that a row's worth vectorizes (`simd::race_survivors`: two rounds of the finalizer cost a
+/// sampled row of SmolLM2's vocabulary ~20 µs more, on a 2-vCPU Xeon); the worker's libtorch
+/// sampler computes the same bits as tensors (`worker/src/sampler.rs`).
+#[inline(always)]
+pub fn race_bits(key: u64, token: u32) -> u32 {
+    fmix32((key as u32 ^ (key >> 32) as u32) ^ token.wrapping_mul(RACE_TOKEN_MIX))
+}
+
+/// Odd, so that multiplying by it is a bijection of the 32-bit tokens (2³² / φ).
+pub const RACE_TOKEN_MIX: u32 = 0x9E37_79B9;
+/// murmur3's `fmix32` multipliers.
+pub const FMIX32_MUL1: u32 = 0x85EB_CA6B;
+pub const FMIX32_MUL2: u32 = 0xC2B2_AE35;
+
+#[inline(always)]
+fn fmix32(mut x: u32) -> u32 {
+    x ^= x >> 16;
+    x = x.wrapping_mul(FMIX32_MUL1);
+    x ^= x >> 13;
+    x = x.wrapping_mul(FMIX32_MUL2);
+    x ^ (x >> 16)
+}
+
+/// The exponential number (rate 1) of a token's race bits: `−ln(1 − v)` for `v = (bits + ½) / 2³²`
+/// in (0, 1), so never 0 or infinite. At least `v`, which is what lets a pass rule tokens out.
+pub fn race_exponential(bits: u32) -> f64 {
+    let v = (f64::from(bits) + 0.5) * (1.0 / 4_294_967_296.0);
+    -(-v).ln_1p()
 }
 
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -112,8 +160,8 @@ fn splitmix64(x: u64) -> u64 {
 /// maximum: not drawable (their mass is below the uniform number's resolution anyway).
 const NEGLIGIBLE_WEIGHT: f32 = f32::MIN_POSITIVE * 1.01;
 
-/// Values a chunk of the whole-row draw sums at once (the draw walks one chunk token by token).
-const DRAW_CHUNK: usize = 256;
+/// Tokens one pass of the race rules out at once (their flags fit a small stack buffer).
+const RACE_CHUNK: usize = 256;
 
 /// Draws a token from `row` (non-empty) under `params`; `weights` is scratch, resized to the row.
 /// A row with no finite maximum (all −∞, NaN, or +∞ somewhere) has no distribution to draw from:
@@ -122,9 +170,10 @@ pub fn draw(row: &[f32], params: &DrawParams, weights: &mut Vec<f32>) -> usize {
     // Times the reciprocal, as the libtorch sampler scales (the same products): multiplying by
     // a positive number is monotone, so the scaled row's maximum is the maximum's product.
     let inverse_temperature = 1.0 / params.temperature.max(1e-5);
-    let max = row_max(row) * inverse_temperature;
+    let heaviest = argmax(row);
+    let max = row[heaviest] * inverse_temperature;
     if !max.is_finite() {
-        return argmax(row);
+        return heaviest;
     }
     weights.clear();
     weights.extend(row.iter().map(|&logit| logit * inverse_temperature - max));
@@ -154,46 +203,36 @@ pub fn draw(row: &[f32], params: &DrawParams, weights: &mut Vec<f32>) -> usize {
             *w = if *w >= floor { *w } else { 0.0 };
         }
     }
-    draw_from_row(weights, seeded_uniform(params.seed, params.draw_index))
+    race(weights, heaviest, race_key(params.seed, params.draw_index))
 }
 
-/// Inverse CDF over the whole row: chunk sums first (vectorized), then token by token through
-/// the chunk the target falls in.
-fn draw_from_row(weights: &[f32], u: f64) -> usize {
-    let chunk_sums: Vec<f64> = weights.chunks(DRAW_CHUNK).map(chunk_sum).collect();
-    let target = u * chunk_sums.iter().sum::<f64>();
-    let mut before = 0f64;
-    let mut last_drawable = None;
-    for (chunk, &sum) in chunk_sums.iter().enumerate() {
-        if sum <= 0.0 {
+/// The exponential race over `weights`: the token with the largest `w_t / E_t`, the lowest such
+/// token on a tie. `heaviest` has the largest weight (positive).
+///
+/// The most likely token's score `b` comes first. Since `E_t ≥ v_t` (see [`race_exponential`]),
+/// a token with `w_t ≤ v_t · b` cannot beat it, and a vectorized pass over each chunk of the
+/// row rules those out with `v_t` cut to 24 bits (smaller still) and `b` lowered by a margin
+/// that covers the pass's f32 rounding. Only the tokens left are scored exactly, in f64.
+fn race(weights: &[f32], heaviest: usize, key: u64) -> usize {
+    let score = |token: usize| f64::from(weights[token]) / race_exponential(race_bits(key, token as u32));
+    let mut winner = (heaviest, score(heaviest));
+    let bound = (winner.1 as f32) * (1.0 - 1e-4);
+    let mut left = [0u8; RACE_CHUNK];
+    for (chunk, values) in weights.chunks(RACE_CHUNK).enumerate() {
+        let first = chunk * RACE_CHUNK;
+        let flags = &mut left[..values.len()];
+        if crate::simd::race_survivors(key, first as u32, values, bound, flags) == 0 {
             continue;
         }
-        let start = chunk * DRAW_CHUNK;
-        let values = &weights[start..(start + DRAW_CHUNK).min(weights.len())];
-        if before + sum > target {
-            let mut cumulative = before;
-            for (offset, &w) in values.iter().enumerate() {
-                cumulative += f64::from(w);
-                if w > 0.0 && cumulative > target {
-                    return start + offset;
-                }
+        for (offset, _) in flags.iter().enumerate().filter(|&(_, &flag)| flag != 0) {
+            let token = first + offset;
+            let token_score = score(token);
+            if token_score > winner.1 || (token_score == winner.1 && token < winner.0) {
+                winner = (token, token_score);
             }
         }
-        before += sum;
-        last_drawable = values.iter().rposition(|&w| w > 0.0).map(|offset| start + offset);
     }
-    // Rounding between the chunk sums and the walk left the target past the end.
-    last_drawable.unwrap_or(0)
-}
-
-/// `Σ values` over 8 lanes the compiler keeps in a vector register, in f64 at the end.
-fn chunk_sum(values: &[f32]) -> f64 {
-    let mut lanes = [0f32; 8];
-    let mut parts = values.chunks_exact(8);
-    for part in &mut parts {
-        lanes.iter_mut().zip(part).for_each(|(l, v)| *l += v);
-    }
-    f64::from(lanes.iter().sum::<f32>() + parts.remainder().iter().sum::<f32>())
+    winner.0
 }
 
 #[cfg(test)]
@@ -302,9 +341,8 @@ mod tests {
             .map(|draw_index| draw(&LOGITS, &DrawParams { draw_index, ..p }, &mut weights))
             .collect();
         assert!(tokens.iter().any(|&t| t != tokens[0]), "draw indices change the draw");
-        let u = seeded_uniform(77, 3);
-        assert!(u > 0.0 && u < 1.0);
-        assert_ne!(seeded_uniform(78, 3), u);
+        assert_ne!(race_key(78, 3), race_key(77, 3));
+        assert_ne!(race_key(77, 4), race_key(77, 3));
     }
 
     #[test]
@@ -340,6 +378,32 @@ mod tests {
         for seed in 0..50 {
             assert!([0, 1, 7].contains(&draw(&tail, &DrawParams { seed, ..k }, &mut weights)));
         }
+    }
+
+    /// What the race is for: logits that differ in their last bits (other kernels, another
+    /// batch, the prefix cache, a restart) draw the same token. Drawn by inverse CDF in token-id
+    /// order (what this module did before), rows of this shape changed token in 32 of 2 000
+    /// draws (a NumPy simulation of the same distributions; the race there: none).
+    #[test]
+    fn last_bit_differences_in_the_logits_do_not_change_the_draw() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        // A language model's shape: a few likely tokens over a long, spread tail.
+        let row: Vec<f32> = (0..49_152)
+            .map(|_| rng.random_range(-12.0f32..0.0) + if rng.random_bool(0.001) { 6.0 } else { 0.0 })
+            .collect();
+        let nudged: Vec<f32> = row.iter().map(|&l| l + rng.random_range(-3e-5f32..3e-5)).collect();
+        let mut weights = Vec::new();
+        let draws = 2_000;
+        let (mut changed, mut tail) = (0, 0);
+        for seed in 0..draws {
+            let p = DrawParams { seed, ..params(1.0) };
+            let token = draw(&row, &p, &mut weights);
+            changed += usize::from(draw(&nudged, &p, &mut weights) != token);
+            tail += usize::from(row[token] < 0.0);
+        }
+        assert!(tail > draws as usize / 10, "the tail is drawn ({tail} of {draws})");
+        assert!(changed <= 2, "{changed} of {draws} draws changed");
     }
 
     #[test]

@@ -231,6 +231,37 @@ unsafe fn dot_avx2(a: *const f32, b: *const f32, len: usize) -> f32 {
     }
 }
 
+/// The exponential race's pass over one chunk of a row (`crate::sampling`'s `race`): `flags[i]`
+/// is 1 where token `first + i` may still beat a score of `bound`, `weights[i] > v_i · bound`
+/// with `v_i` its race bits' top 24 bits over 2²⁴ (exact in f32), else 0; returns how many are 1.
+/// Plain integer and f32 arithmetic that the compiler vectorizes, compiled for AVX2 where the CPU
+/// has it (its 32-bit multiplies are one instruction; SSE2's are several).
+pub fn race_survivors(key: u64, first: u32, weights: &[f32], bound: f32, flags: &mut [u8]) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 present; the body is safe code.
+        return unsafe { race_survivors_avx2(key, first, weights, bound, flags) };
+    }
+    race_survivors_plain(key, first, weights, bound, flags)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn race_survivors_avx2(key: u64, first: u32, weights: &[f32], bound: f32, flags: &mut [u8]) -> usize {
+    race_survivors_plain(key, first, weights, bound, flags)
+}
+
+#[inline(always)]
+fn race_survivors_plain(key: u64, first: u32, weights: &[f32], bound: f32, flags: &mut [u8]) -> usize {
+    let flags = &mut flags[..weights.len()];
+    for (i, (&weight, flag)) in weights.iter().zip(flags.iter_mut()).enumerate() {
+        let bits = crate::sampling::race_bits(key, first.wrapping_add(i as u32));
+        let v = (bits >> 8) as f32 * (1.0 / 16_777_216.0);
+        *flag = u8::from(weight > v * bound);
+    }
+    flags.iter().map(|&flag| usize::from(flag)).sum()
+}
+
 /// `x[i] = eˣ⁽ⁱ⁾` in place. The AVX2 path is the Cephes polynomial (as in `avx_mathfun`'s
 /// `exp256_ps`): within 2 ulp of libm over the range softmax and SiLU use, 8 at a time.
 pub fn exp_in_place(x: &mut [f32]) {

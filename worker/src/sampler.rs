@@ -6,14 +6,15 @@
 //!
 //! Order, as in vLLM: repetition / frequency / presence penalties on the logits; then greedy rows
 //! (temperature 0) take the argmax, the others divide by their temperature, keep their top-k,
-//! then top-p of what top-k kept (renormalized), then min-p, and draw by inverse CDF in token-id
-//! order with one uniform number per row that is a pure function of (seed, draw index)
-//! ([`rivulet_kernels::sampling::seeded_uniform`], computed on the host), so a seeded sequence
-//! draws the same token whatever else shares its batch, and after a preemption. Logprobs are
-//! those of the model's own distribution (log-softmax of the raw logits).
+//! then top-p of what top-k kept (renormalized), then min-p, and draw by an exponential race:
+//! the token with the largest weight over an exponential number that is a pure function of
+//! (seed, draw index, token) ([`rivulet_kernels::sampling`] says why; the row's key is computed
+//! on the host, each token's bits on the device), so a seeded sequence draws the same token
+//! whatever else shares its batch, after a preemption and after a restart. Logprobs are those
+//! of the model's own distribution (log-softmax of the raw logits).
 
 use rivulet_ipc::SeqSampling;
-use rivulet_kernels::sampling::seeded_uniform;
+use rivulet_kernels::sampling::{race_key, FMIX32_MUL1, FMIX32_MUL2, RACE_TOKEN_MIX};
 use tch::kind::Element;
 use tch::{Device, Kind, Tensor};
 
@@ -36,8 +37,9 @@ pub struct SamplingBatch {
     pub repetition_penalty: Tensor,
     pub frequency_penalty: Tensor,
     pub presence_penalty: Tensor,
-    /// `[rows]` f64 in (0, 1): each row's uniform number for its draw.
-    pub uniform: Tensor,
+    /// `[rows]` i64: each row's race key folded to 32 bits (the halves of
+    /// [`race_key`] XORed, as `race_bits` folds them).
+    pub race_key: Tensor,
     pub history: Option<PenaltyHistory>,
     /// Which optional stages any row needs (computed on the host, so unused ones cost nothing).
     pub any_random: bool,
@@ -56,9 +58,12 @@ impl SamplingBatch {
         history: Option<PenaltyHistory>,
         device: Device,
     ) -> Result<Self, tch::TchError> {
-        let uniform: Vec<f64> = rows
+        let race_keys: Vec<i64> = rows
             .iter()
-            .map(|row| seeded_uniform(row.seed, row.draw_index))
+            .map(|row| {
+                let key = race_key(row.seed, row.draw_index);
+                i64::from(key as u32 ^ (key >> 32) as u32)
+            })
             .collect();
         Ok(Self {
             any_random: rows.iter().any(|row| row.temperature > 0.0),
@@ -73,7 +78,7 @@ impl SamplingBatch {
             repetition_penalty: column(rows, |row| row.repetition_penalty, device)?,
             frequency_penalty: column(rows, |row| row.frequency_penalty, device)?,
             presence_penalty: column(rows, |row| row.presence_penalty, device)?,
-            uniform: Tensor::f_from_slice(&uniform)?.f_to_device(device)?,
+            race_key: Tensor::f_from_slice(&race_keys)?.f_to_device(device)?,
             history,
         })
     }
@@ -182,13 +187,32 @@ fn draw(logits: &Tensor, batch: &SamplingBatch) -> Tensor {
         let (max_weight, _) = weights.max_dim(-1, true);
         weights = weights.masked_fill(&weights.lt_tensor(&(max_weight * batch.min_p.unsqueeze(1))), 0.0);
     }
-    // Inverse CDF: the first token whose cumulative weight exceeds u × total.
-    let cumulative = weights.cumsum(-1, Kind::Double);
-    let target = cumulative.narrow(1, vocab - 1, 1) * batch.uniform.unsqueeze(1);
-    cumulative
-        .le_tensor(&target)
-        .sum_dim_intlist(-1, false, Kind::Int64)
-        .clamp_max(vocab - 1)
+    // The exponential race: the largest weight ÷ −ln(1 − v), v from the token's race bits
+    // (`rivulet_kernels::sampling::race_exponential`); the first such token on a tie.
+    let tokens = Tensor::arange(vocab, (Kind::Int64, device)).unsqueeze(0);
+    let bits = fmix32(&low_product(&tokens, RACE_TOKEN_MIX).bitwise_xor_tensor(&batch.race_key.unsqueeze(1)));
+    let v = (bits.to_kind(Kind::Double) + 0.5) * (1.0 / 4_294_967_296.0);
+    let exponential = -(-v).log1p();
+    (weights.to_kind(Kind::Double) / exponential).argmax(-1, false)
+}
+
+/// The low 32 bits of `x · factor` for `x` in `[0, 2³²)` (i64), in two halves of `factor` so that
+/// no product passes 2⁴⁸.
+fn low_product(x: &Tensor, factor: u32) -> Tensor {
+    let low = x * i64::from(factor & 0xFFFF);
+    let high = (x * i64::from(factor >> 16))
+        .bitwise_and(0xFFFF)
+        .bitwise_left_shift_tensor_scalar(16);
+    (low + high).bitwise_and(0xFFFF_FFFF_i64)
+}
+
+/// murmur3's 32-bit finalizer over i64 tensors holding 32-bit words (`race_bits`' own).
+fn fmix32(x: &Tensor) -> Tensor {
+    let x = x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(16));
+    let x = low_product(&x, FMIX32_MUL1);
+    let x = x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(13));
+    let x = low_product(&x, FMIX32_MUL2);
+    x.bitwise_xor_tensor(&x.bitwise_right_shift_tensor_scalar(16))
 }
 
 #[cfg(test)]
