@@ -1,7 +1,7 @@
 //! The crate's only `unsafe` (here and in its children [`row_gemv`], [`packed_gemm`],
 //! [`packed_gemm_avx512`], [`gemv_q4_1`], [`panels`], [`panel_gemv`], [`panel_gemv_avx2`],
 //! [`panel_pair_gemv`], [`panel_digits_avx2`], [`panel_digits_avx512`], [`panel_digits_vnni`],
-//! [`amx`], [`grouped_heads`], [`key_scores`], [`prompt_scores`] and [`decode`]): AVX2 + FMA +
+//! [`amx`], [`grouped_heads`], [`prompt_scores`] and [`decode`]): AVX2 + FMA +
 //! F16C code paths, AVX-512 ones, an AMX one (with its own invariants, stated there), and the
 //! output handle that lets parallel tasks write disjoint columns of one matrix.
 //!
@@ -27,7 +27,6 @@ mod amx;
 mod decode;
 mod gemv_q4_1;
 mod grouped_heads;
-mod key_scores;
 mod packed_gemm;
 mod packed_gemm_avx512;
 mod panel_digits_avx2;
@@ -43,8 +42,7 @@ mod row_gemv;
 pub use amx::{has_amx, SplitActivations, Tiles, AMX_PANELS};
 pub use decode::{avx2_decodes, decode_avx2};
 pub use gemv_q4_1::{gemv_q4_1_avx2, Q4_1Activations, GEMV_Q4_1_MAX_BATCH};
-pub use grouped_heads::weighted_rows;
-pub use key_scores::score_keys;
+pub use grouped_heads::{score_keys, weighted_rows};
 pub use packed_gemm::{gemm_panel_avx2, pack_panel_avx2};
 pub use packed_gemm_avx512::packed_avx512_min_rows;
 pub use panel_digits_avx2::ActivationDigits;

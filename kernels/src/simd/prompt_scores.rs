@@ -13,7 +13,7 @@
 use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
-use super::key_scores::sums_of_eight;
+use super::grouped_heads::sums_of_eight;
 use super::{fits, has_avx512, strided_len};
 
 /// Tokens per pass for `group` query heads per KV head: up to 16 (token, head) sums per key.
