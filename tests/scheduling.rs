@@ -6,12 +6,9 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{greedy_request, TestServer};
+use common::{greedy_request, TestServer, SMOLLM_KV_BLOCK_BYTES};
 use futures::stream::{self, StreamExt};
 use rivulet::proto::{GenerateRequest, SchedulingPolicy, SetSchedulingPolicyRequest};
-
-/// Bytes of KV per 16-token block for SmolLM2-135M in f32 (2 × 30 layers × 16 × 3 heads × 64 × 4).
-const SMOLLM_BLOCK_BYTES: u64 = 2 * 30 * 16 * 3 * 64 * 4;
 
 fn long_text(words: usize, seed: usize) -> String {
     let vocabulary = [
@@ -108,7 +105,7 @@ async fn a_shared_prefix_is_reused_and_gives_the_same_output() {
 
 fn tiny_cache_server() -> TestServer {
     // 24 blocks of 16 tokens, the least that holds one 256-token sequence plus a little.
-    let bytes = (24 * SMOLLM_BLOCK_BYTES).to_string();
+    let bytes = (24 * SMOLLM_KV_BLOCK_BYTES).to_string();
     TestServer::start(&[
         ("RIVULET_MODEL__MAX_MODEL_LEN", "256"),
         ("RIVULET_WORKER__KV_CACHE_MEMORY", bytes.as_str()),

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{greedy_request, shared_server, TestServer};
+use common::{greedy_request, shared_server, TestServer, SMOLLM_KV_BLOCK_BYTES};
 use rivulet::proto::{FinishReason, GenerateRequest, StoppingCriteria};
 use tokio_stream::StreamExt;
 use tonic::Code;
@@ -145,7 +145,7 @@ async fn stop_token_ids_min_new_tokens_and_the_character_limit() {
 async fn a_full_queue_is_resource_exhausted_and_the_server_recovers() {
     // 24 KV blocks of which 90% are kept from new admissions while anything runs, and room for
     // one waiting request.
-    let kv_bytes = (24u64 * 2 * 30 * 16 * 3 * 64 * 4).to_string();
+    let kv_bytes = (24 * SMOLLM_KV_BLOCK_BYTES).to_string();
     let server = TestServer::start(&[
         ("RIVULET_MODEL__MAX_MODEL_LEN", "256"),
         ("RIVULET_WORKER__KV_CACHE_MEMORY", kv_bytes.as_str()),

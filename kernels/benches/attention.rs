@@ -4,8 +4,9 @@
 //! values read.
 //!
 //! `cargo bench -p rivulet-kernels --bench attention [-- threads [batch [context [layers
-//! [repeats [block_size]]]]]]` (defaults 2 32 256 30 1 16). With 30 layers a 32-sequence
-//! step's 377 MB come from memory; `-- 1 4 256 1 100` keeps one 1.6 MB layer in L2 where L2
+//! [repeats [block_size]]]]]]` (defaults 2 32 256 30 1 16). The caches hold three bytes a value,
+//! as the worker's do (`kv_values`). With 30 layers a 32-sequence step's 283 MB (377 MB as
+//! f32, until the forty-first round) come from memory; `-- 1 4 256 1 100` keeps one 1.2 MB layer in L2 where L2
 //! holds it (the Xeon's 2 MB; not Zen 4's 1 MB: `-- 1 2 256 1 200` there), which times the
 //! arithmetic. Each timed step runs as the worker runs one, inside the pool with its other
 //! threads awake (`install_awake`): until the fortieth round they slept between calls, and each
@@ -24,6 +25,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rivulet_kernels::attention::{paged_attention, AttentionShape, TokenKeys};
 use rivulet_kernels::awake::install_awake;
+use rivulet_kernels::kv_values::{kv_cache_bytes, pack_kv_row, KV_VALUE_BYTES};
 use rivulet_kernels::prefetch_l2;
 
 fn arg(n: usize, default: usize) -> usize {
@@ -47,12 +49,15 @@ fn main() {
     let blocks_per_seq = (context + 1).div_ceil(shape.block_size);
     let layer_len = batch * blocks_per_seq * shape.block_size * shape.kv_heads * shape.head_dim;
     let mut rng = StdRng::seed_from_u64(5);
-    let caches: Vec<(Vec<f32>, Vec<f32>)> = (0..layers)
-        .map(|_| {
-            let k = (0..layer_len).map(|_| rng.random_range(-1.0..1.0)).collect();
-            let v = (0..layer_len).map(|_| rng.random_range(-1.0..1.0)).collect();
-            (k, v)
-        })
+    // Each layer's keys and values as the worker's cache keeps them: three bytes a value.
+    let packed_layer = |rng: &mut StdRng| {
+        let values: Vec<f32> = (0..layer_len).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let mut cache = vec![0u8; kv_cache_bytes(layer_len)];
+        pack_kv_row(&values, &mut cache[..layer_len * KV_VALUE_BYTES]);
+        cache
+    };
+    let caches: Vec<(Vec<u8>, Vec<u8>)> = (0..layers)
+        .map(|_| (packed_layer(&mut rng), packed_layer(&mut rng)))
         .collect();
     let q_width = shape.heads * shape.head_dim;
     let queries: Vec<f32> = (0..batch * q_width).map(|_| rng.random_range(-1.0..1.0)).collect();
@@ -71,7 +76,7 @@ fn main() {
         })
         .collect();
     let mut out = vec![0f32; batch * q_width];
-    let bytes = (batch * context * shape.kv_heads * shape.head_dim * 2 * 4 * layers * repeats) as f64;
+    let bytes = (batch * context * shape.kv_heads * shape.head_dim * 2 * KV_VALUE_BYTES * layers * repeats) as f64;
     let median = median_step(&pool, &caches, layers * repeats, |k, v| {
         paged_attention(shape, &queries, q_width, &tokens, k, v, &mut out);
     });
@@ -97,15 +102,18 @@ fn main() {
                 .enumerate()
                 .map(|(index, &block)| {
                     let keys = (context - index * shape.block_size).min(shape.block_size);
-                    ((block as usize * shape.kv_heads + kv_head) * row, keys * shape.head_dim)
+                    (
+                        (block as usize * shape.kv_heads + kv_head) * row * KV_VALUE_BYTES,
+                        keys * shape.head_dim * KV_VALUE_BYTES,
+                    )
                 })
                 .collect()
         })
         .collect();
     let plain = median_step(&pool, &caches, layers * repeats, |k, v| {
-        let total: f32 = unit_runs
+        let total: u64 = unit_runs
             .par_iter()
-            .map(|runs| read_runs(k, runs) + read_runs(v, runs))
+            .map(|runs| u64::from(read_runs(k, runs)) + u64::from(read_runs(v, runs)))
             .sum();
         std::hint::black_box(total);
     });
@@ -122,9 +130,9 @@ fn main() {
 /// (`install_awake`), so that no call hands off to a sleeping thread.
 fn median_step(
     pool: &rayon::ThreadPool,
-    caches: &[(Vec<f32>, Vec<f32>)],
+    caches: &[(Vec<u8>, Vec<u8>)],
     visits: usize,
-    mut visit: impl FnMut(&[f32], &[f32]) + Send,
+    mut visit: impl FnMut(&[u8], &[u8]) + Send,
 ) -> f64 {
     let mut times: Vec<f64> = (0..15)
         .map(|_| {
@@ -141,22 +149,22 @@ fn median_step(
     times[times.len() / 2]
 }
 
-/// The sum of `runs` (each `(offset, values)` of `cache`), the next run fetched ahead into L2
-/// as attention fetches its rows, in sixteen lanes that the compiler vectorizes.
-fn read_runs(cache: &[f32], runs: &[(usize, usize)]) -> f32 {
-    let mut lanes = [0f32; 16];
+/// The sum of `runs` (each `(offset, bytes)` of `cache`), the next run fetched ahead into L2
+/// as attention fetches its rows, in 64 lanes that the compiler vectorizes.
+fn read_runs(cache: &[u8], runs: &[(usize, usize)]) -> u8 {
+    let mut lanes = [0u8; 64];
     for (index, &(at, len)) in runs.iter().enumerate() {
         if let Some(&(next, next_len)) = runs.get(index + 1) {
             prefetch_l2(&cache[next..next + next_len]);
         }
         let run = &cache[at..at + len];
-        for chunk in run.chunks_exact(16) {
-            lanes.iter_mut().zip(chunk).for_each(|(l, x)| *l += x);
+        for chunk in run.chunks_exact(64) {
+            lanes.iter_mut().zip(chunk).for_each(|(l, x)| *l = l.wrapping_add(*x));
         }
         lanes
             .iter_mut()
-            .zip(run.chunks_exact(16).remainder())
-            .for_each(|(l, x)| *l += x);
+            .zip(run.chunks_exact(64).remainder())
+            .for_each(|(l, x)| *l = l.wrapping_add(*x));
     }
-    lanes.iter().sum()
+    lanes.iter().fold(0u8, |a, l| a.wrapping_add(*l))
 }

@@ -18,6 +18,7 @@
 
 use rayon::prelude::*;
 
+use crate::kv_values::{pack_kv_row, KV_VALUE_BYTES};
 use crate::{exp_in_place, prompt_scores_take, score_keys, weighted_rows};
 
 mod prompt_runs;
@@ -55,15 +56,16 @@ impl AttentionShape {
 /// Writes each step token's key and value heads into its cache slot: row `t` of `qkv`
 /// (`row_width` values) holds `[q | k | v]` with `shape.heads` query heads and `shape.kv_heads`
 /// key and value heads, and its heads go to slot `slots[t]` of a layer's `keys` and `values`
-/// (laid out as [`AttentionShape::cache_offset`] says), so that the cache layout is known in
-/// this module alone. The caller checked every slot lies in the cache.
+/// (laid out as [`AttentionShape::cache_offset`] says, each value packed into three bytes:
+/// [`crate::kv_values`]), so that the cache layout is known in this module alone. The caller
+/// checked every slot lies in the cache.
 pub fn write_kv(
     shape: AttentionShape,
     qkv: &[f32],
     row_width: usize,
     slots: &[i64],
-    keys: &mut [f32],
-    values: &mut [f32],
+    keys: &mut [u8],
+    values: &mut [u8],
 ) {
     let dim = shape.head_dim;
     let (q_width, kv_width) = (shape.heads * dim, shape.kv_heads * dim);
@@ -75,9 +77,11 @@ pub fn write_kv(
     let destinations = slots
         .iter()
         .flat_map(|&slot| (0..shape.kv_heads).map(move |kv_head| shape.cache_offset(slot as usize, kv_head)));
+    let row_bytes = dim * KV_VALUE_BYTES;
     for ((k, v), at) in sources.zip(destinations) {
-        keys[at..at + dim].copy_from_slice(k);
-        values[at..at + dim].copy_from_slice(v);
+        let at = at * KV_VALUE_BYTES;
+        pack_kv_row(k, &mut keys[at..at + row_bytes]);
+        pack_kv_row(v, &mut values[at..at + row_bytes]);
     }
 }
 
@@ -113,8 +117,8 @@ pub fn paged_attention(
     queries: &[f32],
     query_stride: usize,
     tokens: &[TokenKeys<'_>],
-    keys: &[f32],
-    values: &[f32],
+    keys: &[u8],
+    values: &[u8],
     out: &mut [f32],
 ) {
     let split = Split {
@@ -141,8 +145,8 @@ fn attention_in_parts(
     queries: &[f32],
     query_stride: usize,
     tokens: &[TokenKeys<'_>],
-    keys: &[f32],
-    values: &[f32],
+    keys: &[u8],
+    values: &[u8],
     out: &mut [f32],
 ) {
     let (group, head_dim) = (shape.group(), shape.head_dim);
@@ -254,8 +258,8 @@ fn attend_whole(
     scale: f32,
     query_group: &[f32],
     rows: KeyRows<'_>,
-    keys: &[f32],
-    values: &[f32],
+    keys: &[u8],
+    values: &[u8],
     scratch: &mut Scratch,
     out_group: &mut [f32],
 ) {
@@ -360,8 +364,8 @@ fn attend_part(
     scale: f32,
     query_group: &[f32],
     rows: KeyRows<'_>,
-    keys: &[f32],
-    values: &[f32],
+    keys: &[u8],
+    values: &[u8],
     scores: &mut Vec<f32>,
     offsets: &mut Vec<usize>,
     max: &mut [f32],

@@ -7,6 +7,8 @@
 //! - [`sampling`]: a row's penalties and its draw under temperature, top-k, top-p and min-p.
 //! - [`attention`]: attention for every token of a step straight over the paged KV cache (block
 //!   tables are followed, never gathered), grouped-query heads sharing each key read.
+//! - [`kv_values`]: the KV cache's values, three bytes each (an f32 rounded to 16 significant
+//!   bits).
 //! - `simd` (and its children in `simd/`): the crate's only `unsafe` — AMX, AVX-512 and
 //!   AVX2/FMA/F16C paths chosen at run time, with a portable fallback for every one of them.
 //!
@@ -17,6 +19,7 @@
 
 pub mod attention;
 pub mod awake;
+pub mod kv_values;
 pub mod logits;
 pub mod matrix;
 pub mod ops;

@@ -1,7 +1,8 @@
 //! The crate's only `unsafe` (here and in its children [`row_gemv`], [`packed_gemm`],
 //! [`packed_gemm_avx512`], [`gemv_q4_1`], [`panels`], [`panel_gemv`], [`panel_gemv_avx2`],
 //! [`panel_pair_gemv`], [`panel_digits_avx2`], [`panel_digits_avx512`], [`panel_digits_vnni`],
-//! [`amx`], [`grouped_heads`], [`prompt_scores`] and [`decode`]): AVX2 + FMA +
+//! [`amx`], [`grouped_heads`] (and its `passes_avx512`), [`kv24`], [`prompt_scores`] and
+//! [`decode`]): AVX2 + FMA +
 //! F16C code paths, AVX-512 ones, an AMX one (with its own invariants, stated there), and the
 //! output handle that lets parallel tasks write disjoint columns of one matrix.
 //!
@@ -9,7 +10,8 @@
 //! - Every `#[target_feature]` function is called only after [`has_avx2`] (for `avx512f`
 //!   functions, [`has_avx512`]; for `avx512bw` ones, [`has_avx512bw`] or [`has_amx`]; for
 //!   `avx512vnni` ones, [`panel_digits_vnni::has_avx512_vnni`], and with `avx512vbmi`
-//!   [`has_avx512_vnni_vbmi`]) returned true (the safe wrappers check it), so the
+//!   [`has_avx512_vnni_vbmi`]; for the attention loops' `avx512vbmi`,
+//!   [`kv24::has_kv24_avx512`]) returned true (the safe wrappers check it), so the
 //!   instructions exist on this CPU.
 //! - Every pointer read or written lies inside a slice whose length was checked against the
 //!   loop bounds before the loop (the `assert!`s at the top of each safe wrapper); loads and
@@ -27,6 +29,7 @@ mod amx;
 mod decode;
 mod gemv_q4_1;
 mod grouped_heads;
+mod kv24;
 mod packed_gemm;
 mod packed_gemm_avx512;
 mod panel_digits_avx2;
@@ -345,39 +348,6 @@ unsafe fn silu_mul_avx2(gate: *const f32, up: *const f32, out: *mut f32, len: us
             let e = exp256(_mm256_xor_ps(g, sign));
             let silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
             _mm256_storeu_ps(out.add(i), _mm256_mul_ps(silu, _mm256_loadu_ps(up.add(i))));
-        }
-    }
-}
-
-/// `y[i] += alpha · x[i]` (AVX2 when present).
-pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
-    let len = x.len().min(y.len());
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() {
-        // SAFETY: AVX2 present; `x` and `y` hold `len` values.
-        unsafe { axpy_avx2(alpha, x.as_ptr(), y.as_mut_ptr(), len) };
-        return;
-    }
-    for (yi, xi) in y[..len].iter_mut().zip(&x[..len]) {
-        *yi += alpha * xi;
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn axpy_avx2(alpha: f32, x: *const f32, y: *mut f32, len: usize) {
-    // SAFETY (whole body): `x` and `y` hold `len` values (caller).
-    unsafe {
-        let a = _mm256_set1_ps(alpha);
-        let mut i = 0;
-        while i + 8 <= len {
-            let updated = _mm256_fmadd_ps(a, _mm256_loadu_ps(x.add(i)), _mm256_loadu_ps(y.add(i)));
-            _mm256_storeu_ps(y.add(i), updated);
-            i += 8;
-        }
-        while i < len {
-            *y.add(i) += alpha * *x.add(i);
-            i += 1;
         }
     }
 }

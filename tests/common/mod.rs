@@ -230,6 +230,10 @@ pub fn shared_server() -> &'static TestServer {
     })
 }
 
+/// Bytes of KV per 16-token block for SmolLM2-135M in the CPU kernels' cache, three bytes a key
+/// or value (`rivulet_kernels::kv_values`): 2 × 30 layers × 16 × 3 heads × 64 × 3.
+pub const SMOLLM_KV_BLOCK_BYTES: u64 = 2 * 30 * 16 * 3 * 64 * 3;
+
 pub fn greedy_request(prompt: &str, max_new_tokens: u32) -> GenerateRequest {
     GenerateRequest {
         prompt: prompt.to_owned(),

@@ -2,6 +2,7 @@
 //! head_dim]`. A token's KV lives at slot `block * block_size + offset`; the scheduler's slot
 //! mapping says where each new token goes and its block tables say where each sequence's past is.
 
+use rivulet_kernels::kv_values::{kv_cache_bytes, KV_VALUE_BYTES};
 use tch::{Device, Kind, Tensor};
 
 use crate::config::ModelConfig;
@@ -29,12 +30,12 @@ pub fn blocks_in_budget(
     block_size: usize,
     memory_bytes: usize,
     max_model_len: usize,
-    kind: Kind,
+    value_bytes: usize,
 ) -> Result<usize, WorkerError> {
     if block_size == 0 {
         return Err(WorkerError::KvCache("block_size must be positive".to_owned()));
     }
-    let per_block = bytes_per_block(config, block_size, kind);
+    let per_block = bytes_per_block(config, block_size, value_bytes);
     let num_blocks = memory_bytes / per_block;
     let needed = max_model_len.div_ceil(block_size);
     if num_blocks < needed {
@@ -52,9 +53,9 @@ pub struct KvCache {
     pub block_size: usize,
 }
 
-/// Bytes one block takes across all layers (K and V).
-pub fn bytes_per_block(config: &ModelConfig, block_size: usize, kind: Kind) -> usize {
-    2 * config.num_layers * block_size * config.kv_dim() * kind.elt_size_in_bytes()
+/// Bytes one block takes across all layers (K and V), at `value_bytes` a key or value.
+pub fn bytes_per_block(config: &ModelConfig, block_size: usize, value_bytes: usize) -> usize {
+    2 * config.num_layers * block_size * config.kv_dim() * value_bytes
 }
 
 impl KvCache {
@@ -68,7 +69,13 @@ impl KvCache {
         device: Device,
         kind: Kind,
     ) -> Result<Self, WorkerError> {
-        let num_blocks = blocks_in_budget(config, block_size, memory_bytes, max_model_len, kind)?;
+        let num_blocks = blocks_in_budget(
+            config,
+            block_size,
+            memory_bytes,
+            max_model_len,
+            kind.elt_size_in_bytes(),
+        )?;
         let shape = [
             num_blocks as i64,
             block_size as i64,
@@ -105,11 +112,13 @@ impl KvCache {
     }
 }
 
-/// The KV cache of the CPU kernels ([`crate::cpu_model`]): per layer, K and V as plain f32
-/// `[blocks][n_kv_heads][block_size][head_dim]` (`rivulet_kernels::attention::AttentionShape::
-/// cache_offset`: each head's rows of a block consecutive), the same slot numbering as
-/// [`KvCache`], each in its own page-aligned mapping ([`PageBuffer`]: every row starts on a
-/// cache line).
+/// The KV cache of the CPU kernels ([`crate::cpu_model`]): per layer, K and V as
+/// `[blocks][n_kv_heads][block_size][head_dim]` values of three bytes each
+/// (`rivulet_kernels::kv_values`: an f32 rounded to 16 significant bits; a quarter fewer bytes
+/// for attention to read than f32) in `rivulet_kernels::attention::AttentionShape::
+/// cache_offset`'s order (each head's rows of a block consecutive), the same slot numbering as
+/// [`KvCache`], each in its own page-aligned mapping ([`PageBuffer`]: every 64-value row starts
+/// on a cache line).
 /// Zeroed pages are only touched, so resident memory grows with the slots in use.
 pub struct HostKvCache {
     pub layers: Vec<HostLayerKv>,
@@ -129,13 +138,13 @@ impl HostKvCache {
         memory_bytes: usize,
         max_model_len: usize,
     ) -> Result<Self, WorkerError> {
-        let num_blocks = blocks_in_budget(config, block_size, memory_bytes, max_model_len, Kind::Float)?;
-        let values = num_blocks * block_size * config.kv_dim();
+        let num_blocks = blocks_in_budget(config, block_size, memory_bytes, max_model_len, KV_VALUE_BYTES)?;
+        let bytes = kv_cache_bytes(num_blocks * block_size * config.kv_dim());
         let layers = (0..config.num_layers)
             .map(|_| -> Result<HostLayerKv, WorkerError> {
                 Ok(HostLayerKv {
-                    keys: PageBuffer::zeroed(values)?,
-                    values: PageBuffer::zeroed(values)?,
+                    keys: PageBuffer::zeroed(bytes)?,
+                    values: PageBuffer::zeroed(bytes)?,
                 })
             })
             .collect::<Result<_, _>>()?;

@@ -29,8 +29,8 @@ pub(super) fn attend_by_prompt_runs(
     queries: &[f32],
     query_stride: usize,
     tokens: &[TokenKeys<'_>],
-    keys: &[f32],
-    values: &[f32],
+    keys: &[u8],
+    values: &[u8],
     out: &mut [f32],
 ) {
     let (group, head_dim) = (shape.group(), shape.head_dim);

@@ -3,15 +3,33 @@
 //! parts, a prompt chunk's runs), and the vectorized softmax matches per-head loops.
 
 use super::*;
+use crate::kv_values::{kv_cache_bytes, kv_value, pack_kv, unpack_kv};
 
-/// The key (or value) row of KV head `kv_head` for the sequence's `index`-th token, found
-/// independently of `KeyRows::offsets_into`'s block walk (the cache is `[blocks][kv_heads]
-/// [block_size][head_dim]`).
-fn kv_row<'c>(shape: AttentionShape, cache: &'c [f32], table: &[i64], index: usize, kv_head: usize) -> &'c [f32] {
+/// Where the key (or value) row of KV head `kv_head` for the sequence's `index`-th token
+/// starts, in values, found independently of `KeyRows::offsets_into`'s block walk (the cache is
+/// `[blocks][kv_heads][block_size][head_dim]`).
+fn kv_row_start(shape: AttentionShape, table: &[i64], index: usize, kv_head: usize) -> usize {
     let block = table[index / shape.block_size] as usize;
     let row = (block * shape.kv_heads + kv_head) * shape.block_size + index % shape.block_size;
-    let at = row * shape.head_dim;
-    &cache[at..at + shape.head_dim]
+    row * shape.head_dim
+}
+
+/// That row's values, unpacked.
+fn kv_row(shape: AttentionShape, cache: &[u8], table: &[i64], index: usize, kv_head: usize) -> Vec<f32> {
+    let at = kv_row_start(shape, table, index, kv_head);
+    (at..at + shape.head_dim).map(|i| kv_value(cache, i)).collect()
+}
+
+/// `values` packed into a cache of their length (with its tail).
+fn packed(values: &[f32]) -> Vec<u8> {
+    let mut cache = vec![0u8; kv_cache_bytes(values.len())];
+    crate::kv_values::pack_kv_row(values, &mut cache[..values.len() * KV_VALUE_BYTES]);
+    cache
+}
+
+/// `x` as the cache keeps it.
+fn rounded(x: f32) -> f32 {
+    unpack_kv(pack_kv(x))
 }
 
 #[test]
@@ -28,8 +46,11 @@ fn write_kv_puts_each_tokens_heads_in_its_slot() {
     let slots = [13i64, 2, 7, 8, 0];
     let qkv: Vec<f32> = (0..slots.len() * row_width).map(|i| i as f32).collect();
     let blocks = 4;
-    let mut keys = vec![f32::NAN; blocks * shape.block_size * kv_width];
+    // A byte no write leaves alone by chance everywhere: the expected caches are this with each
+    // written row's packed values put where the layout says, and nothing else changed.
+    let mut keys = vec![0xABu8; kv_cache_bytes(blocks * shape.block_size * kv_width)];
     let mut values = keys.clone();
+    let (mut expected_keys, mut expected_values) = (keys.clone(), values.clone());
     write_kv(shape, &qkv, row_width, &slots, &mut keys, &mut values);
     // Each slot of block `slot / block_size` as the block table `[0, 1, 2, 3]` reads it.
     let table = [0i64, 1, 2, 3];
@@ -38,14 +59,23 @@ fn write_kv_puts_each_tokens_heads_in_its_slot() {
         for kv_head in 0..shape.kv_heads {
             let key = &row[q_width + kv_head * shape.head_dim..][..shape.head_dim];
             let value = &row[q_width + kv_width + kv_head * shape.head_dim..][..shape.head_dim];
-            assert_eq!(kv_row(shape, &keys, &table, slot as usize, kv_head), key);
-            assert_eq!(kv_row(shape, &values, &table, slot as usize, kv_head), value);
+            let rounded_row = |r: &[f32]| r.iter().map(|&x| rounded(x)).collect::<Vec<f32>>();
+            assert_eq!(kv_row(shape, &keys, &table, slot as usize, kv_head), rounded_row(key));
+            assert_eq!(
+                kv_row(shape, &values, &table, slot as usize, kv_head),
+                rounded_row(value)
+            );
+            let at = kv_row_start(shape, &table, slot as usize, kv_head) * KV_VALUE_BYTES;
+            for (d, (k, v)) in key.iter().zip(value).enumerate() {
+                expected_keys[at + 3 * d..][..3].copy_from_slice(&pack_kv(*k));
+                expected_values[at + 3 * d..][..3].copy_from_slice(&pack_kv(*v));
+            }
         }
     }
-    // Nothing else was written.
-    let written = keys.iter().filter(|v| !v.is_nan()).count();
-    assert_eq!(written, slots.len() * kv_width);
-    assert_eq!(values.iter().filter(|v| !v.is_nan()).count(), written);
+    assert!(
+        keys == expected_keys && values == expected_values,
+        "a byte outside the written rows changed"
+    );
 }
 
 /// Reference: dense attention in f64 over keys gathered in order.
@@ -103,8 +133,8 @@ fn check_against_dense(heads: usize, head_dim: usize, split: Split) {
     let slots = 10 * shape.block_size;
     let width = shape.kv_heads * shape.head_dim;
     let mut random = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0..1.0)).collect() };
-    let keys = random(slots * width);
-    let values = random(slots * width);
+    let keys = packed(&random(slots * width));
+    let values = packed(&random(slots * width));
     // Two sequences in shuffled blocks: one decodes at position 9, one is an 11-token chunk
     // at positions 4..15 (its tokens see 5 to 15 keys: a run of `PROMPT_TILE_TOKENS` and a
     // shorter one, each scored in passes of several tokens where the CPU has AVX-512).
@@ -125,10 +155,10 @@ fn check_against_dense(heads: usize, head_dim: usize, split: Split) {
     let mut out = vec![0f32; tokens.len() * q_width];
     attention_in_parts(shape, split, &queries, stride, &tokens, &keys, &values, &mut out);
 
-    let gather = |cache: &[f32], table: &[i64], n: usize, kv_head: usize| -> Vec<Vec<f32>> {
-        (0..n)
-            .map(|i| kv_row(shape, cache, table, i, kv_head).to_vec())
-            .collect()
+    // The reference reads the values as the cache keeps them: what is checked here is the
+    // attention arithmetic; what packing costs is `kv_values`' (and transformers') to check.
+    let gather = |cache: &[u8], table: &[i64], n: usize, kv_head: usize| -> Vec<Vec<f32>> {
+        (0..n).map(|i| kv_row(shape, cache, table, i, kv_head)).collect()
     };
     for (t, token) in tokens.iter().enumerate() {
         for head in 0..shape.heads {

@@ -1,82 +1,42 @@
 //! Attention's inner loops over the query heads that share one KV head (grouped-query
-//! attention): each key or value row is loaded once for the whole group. Part of [`super`]'s
-//! `unsafe`, under its invariants.
+//! attention): each key or value row is loaded once for the whole group. Rows are the KV
+//! cache's three-byte values ([`crate::kv_values`]), widened as they are loaded
+//! ([`super::kv24`]); row offsets count values. Part of [`super`]'s `unsafe`, under its
+//! invariants.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use super::kv24::has_kv24_avx512;
 #[cfg(target_arch = "x86_64")]
-use super::hsum;
-use super::{axpy, dot, fits, has_avx2, has_avx512};
+use super::kv24::{load16, load8, prefetch_packed_row};
+use super::{fits, has_avx2};
+use crate::kv_values::{kv_value, KV_READ_PAST, KV_VALUE_BYTES};
 
-/// Query heads one KV head serves at most on the AVX2 path of [`group_dots`] / [`group_axpy`].
-const MAX_GROUP: usize = 8;
+mod passes_avx512;
 
-/// `out[g] = scale · q_g · key` for each query head `g` of a group (`queries` is `[group][dim]`,
-/// `dim = key.len()`): the key is loaded once for the whole group.
-fn group_dots(queries: &[f32], key: &[f32], scale: f32, out: &mut [f32]) {
-    let dim = key.len();
-    let group = out.len();
-    assert!(fits(queries.len(), group.checked_mul(dim)));
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() && group <= MAX_GROUP && dim.is_multiple_of(8) {
-        // SAFETY: AVX2 present; `queries` holds `group · dim` values, `key` `dim`, `out` `group`.
-        unsafe { group_dots_avx2(queries.as_ptr(), key.as_ptr(), dim, scale, out) };
-        return;
-    }
+#[cfg(target_arch = "x86_64")]
+use passes_avx512::score_keys_avx512;
+
+/// Whether packed rows `rows` hold every row at `offsets` (`dim` values each) and the bytes the
+/// SIMD loads read past each.
+fn rows_fit(rows: &[u8], offsets: &[usize], dim: usize) -> bool {
+    offsets.iter().all(|&o| {
+        fits(
+            rows.len(),
+            o.checked_add(dim)
+                .and_then(|end| end.checked_mul(KV_VALUE_BYTES))
+                .and_then(|end| end.checked_add(KV_READ_PAST)),
+        )
+    })
+}
+
+/// `out[g] = scale · q_g · key` for each query head `g` of a group (`queries` is `[group][dim]`):
+/// the portable path, for CPUs and shapes the SIMD loops do not take.
+fn group_dots(queries: &[f32], key: &[u8], dim: usize, scale: f32, out: &mut [f32]) {
     for (g, o) in out.iter_mut().enumerate() {
-        *o = scale * dot(&queries[g * dim..(g + 1) * dim], key);
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn group_dots_avx2(queries: *const f32, key: *const f32, dim: usize, scale: f32, out: &mut [f32]) {
-    // SAFETY (whole body): see `group_dots`; `out.len() <= MAX_GROUP`, `dim % 8 == 0`.
-    unsafe {
-        let group = out.len();
-        let mut acc = [_mm256_setzero_ps(); MAX_GROUP];
-        for c in (0..dim).step_by(8) {
-            let k = _mm256_loadu_ps(key.add(c));
-            for (g, a) in acc.iter_mut().enumerate().take(group) {
-                *a = _mm256_fmadd_ps(_mm256_loadu_ps(queries.add(g * dim + c)), k, *a);
-            }
-        }
-        for (g, o) in out.iter_mut().enumerate() {
-            *o = scale * hsum(acc[g]);
-        }
-    }
-}
-
-/// `out_g += weights[g] · value` for each query head `g` of a group (`out` is `[group][dim]`,
-/// `dim = value.len()`): the value row is loaded once for the whole group.
-pub fn group_axpy(weights: &[f32], value: &[f32], out: &mut [f32]) {
-    let dim = value.len();
-    let group = weights.len();
-    assert!(fits(out.len(), group.checked_mul(dim)));
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2() && dim.is_multiple_of(8) {
-        // SAFETY: AVX2 present; `value` holds `dim` values and `out` `group · dim`.
-        unsafe { group_axpy_avx2(weights, value.as_ptr(), dim, out.as_mut_ptr()) };
-        return;
-    }
-    for (g, w) in weights.iter().enumerate() {
-        axpy(*w, value, &mut out[g * dim..(g + 1) * dim]);
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn group_axpy_avx2(weights: &[f32], value: *const f32, dim: usize, out: *mut f32) {
-    // SAFETY (whole body): see `group_axpy`; `dim % 8 == 0`.
-    unsafe {
-        for c in (0..dim).step_by(8) {
-            let v = _mm256_loadu_ps(value.add(c));
-            for (g, w) in weights.iter().enumerate() {
-                let dst = out.add(g * dim + c);
-                _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_set1_ps(*w), v, _mm256_loadu_ps(dst)));
-            }
-        }
+        let query = &queries[g * dim..(g + 1) * dim];
+        *o = scale * query.iter().enumerate().map(|(d, q)| q * kv_value(key, d)).sum::<f32>();
     }
 }
 
@@ -84,13 +44,13 @@ unsafe fn group_axpy_avx2(weights: &[f32], value: *const f32, dim: usize, out: *
 /// (`weights` is `[offsets.len()][group]`, `out` is `[group][dim]`, overwritten). The AVX2 path
 /// keeps a slice of every head's output in registers across all rows (up to 12 accumulators),
 /// so each value row is loaded once per slice and no partial output goes through memory.
-pub fn weighted_rows(weights: &[f32], group: usize, values: &[f32], offsets: &[usize], dim: usize, out: &mut [f32]) {
+pub fn weighted_rows(weights: &[f32], group: usize, values: &[u8], offsets: &[usize], dim: usize, out: &mut [f32]) {
     assert!(fits(weights.len(), offsets.len().checked_mul(group)) && fits(out.len(), group.checked_mul(dim)));
-    assert!(offsets.iter().all(|&o| fits(values.len(), o.checked_add(dim))));
+    assert!(rows_fit(values, offsets, dim));
     #[cfg(target_arch = "x86_64")]
-    if has_avx512() {
+    if has_kv24_avx512() {
         let (w, v, o) = (weights.as_ptr(), values.as_ptr(), out.as_mut_ptr());
-        // SAFETY: AVX-512F present; as for the AVX2 path below.
+        // SAFETY: AVX-512F, BW and VBMI present; as for the AVX2 path below.
         let done = unsafe {
             match (group, dim % 64, dim % 32) {
                 (1, 0, _) => weighted_rows_avx512::<1, 4>(w, v, offsets, dim, o),
@@ -137,7 +97,13 @@ pub fn weighted_rows(weights: &[f32], group: usize, values: &[f32], offsets: &[u
     }
     out[..group * dim].fill(0.0);
     for (t, &offset) in offsets.iter().enumerate() {
-        group_axpy(&weights[t * group..(t + 1) * group], &values[offset..offset + dim], out);
+        let row = &values[offset * KV_VALUE_BYTES..];
+        for d in 0..dim {
+            let value = kv_value(row, d);
+            for (g, w) in weights[t * group..(t + 1) * group].iter().enumerate() {
+                out[g * dim + d] += w * value;
+            }
+        }
     }
 }
 
@@ -165,7 +131,7 @@ fn weighted_rows_avx2_takes(group: usize, dim: usize) -> bool {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn weighted_rows_avx2<const G: usize, const CV: usize>(
     weights: *const f32,
-    values: *const f32,
+    values: *const u8,
     offsets: &[usize],
     dim: usize,
     out: *mut f32,
@@ -175,33 +141,33 @@ unsafe fn weighted_rows_avx2<const G: usize, const CV: usize>(
         // The value rows come from memory here (see `score_keys_avx2`): the first slice's pass
         // fetches each row ahead as the scoring loop fetches keys; later slices find them cached.
         for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
-            prefetch_row::<_MM_HINT_T1>(values, ahead, dim);
+            prefetch_packed_row::<_MM_HINT_T1>(values, ahead, dim);
         }
         for slice in (0..dim).step_by(8 * CV) {
             let mut acc = [[_mm256_setzero_ps(); CV]; G];
             for (t, &offset) in offsets.iter().enumerate() {
                 if slice == 0 {
                     if let Some(&ahead) = offsets.get(t + PREFETCH_L2_ROWS_AHEAD) {
-                        prefetch_row::<_MM_HINT_T1>(values, ahead, dim);
+                        prefetch_packed_row::<_MM_HINT_T1>(values, ahead, dim);
                     }
                     if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
-                        prefetch_row::<_MM_HINT_T0>(values, ahead, dim);
+                        prefetch_packed_row::<_MM_HINT_T0>(values, ahead, dim);
                     }
                 }
-                let row = values.add(offset + slice);
+                let row = values.add((offset + slice) * KV_VALUE_BYTES);
                 // Sixteen vector registers: where the group's broadcast weights fit beside the
                 // accumulators, each value vector is loaded as it is used; else the row's
                 // vectors are loaded first and each weight broadcast as it is used.
                 if G * CV + G < 16 {
                     let w: [__m256; G] = std::array::from_fn(|g| _mm256_broadcast_ss(&*weights.add(t * G + g)));
                     for c in 0..CV {
-                        let v = _mm256_loadu_ps(row.add(8 * c));
+                        let v = load8(row.add(8 * c * KV_VALUE_BYTES));
                         for (head, w) in acc.iter_mut().zip(&w) {
                             head[c] = _mm256_fmadd_ps(*w, v, head[c]);
                         }
                     }
                 } else {
-                    let v: [__m256; CV] = std::array::from_fn(|c| _mm256_loadu_ps(row.add(8 * c)));
+                    let v: [__m256; CV] = std::array::from_fn(|c| load8(row.add(8 * c * KV_VALUE_BYTES)));
                     for (g, head) in acc.iter_mut().enumerate() {
                         let w = _mm256_broadcast_ss(&*weights.add(t * G + g));
                         for (a, vc) in head.iter_mut().zip(&v) {
@@ -223,25 +189,7 @@ unsafe fn weighted_rows_avx2<const G: usize, const CV: usize>(
 /// A SIMD loop of [`score_keys`] for one group size: queries, keys, values, offsets, `dim`,
 /// scale, scores.
 #[cfg(target_arch = "x86_64")]
-type ScoreKeysKernel = unsafe fn(*const f32, *const f32, *const f32, &[usize], usize, f32, *mut f32);
-
-/// `$kernel`'s instance for `$group` query heads, for groups of 1 to 8 (`None` beyond).
-#[cfg(target_arch = "x86_64")]
-macro_rules! score_keys_instance {
-    ($kernel:ident, $group:expr) => {
-        match $group {
-            1 => Some($kernel::<1> as ScoreKeysKernel),
-            2 => Some($kernel::<2> as ScoreKeysKernel),
-            3 => Some($kernel::<3> as ScoreKeysKernel),
-            4 => Some($kernel::<4> as ScoreKeysKernel),
-            5 => Some($kernel::<5> as ScoreKeysKernel),
-            6 => Some($kernel::<6> as ScoreKeysKernel),
-            7 => Some($kernel::<7> as ScoreKeysKernel),
-            8 => Some($kernel::<8> as ScoreKeysKernel),
-            _ => None,
-        }
-    };
-}
+type ScoreKeysKernel = unsafe fn(*const f32, *const u8, *const u8, &[usize], usize, f32, *mut f32);
 
 /// Rows ahead of the one being scored (or summed) whose rows [`score_keys`] (and
 /// [`weighted_rows`]) fetch into L1: a row is scored in a few nanoseconds, and a row missing from
@@ -274,8 +222,8 @@ const PREFETCH_L2_ROWS_AHEAD: usize = 64;
 /// faster than this loop's one key at a time (attention 19.4–21.1 ms against 16.9–18.5 at 32).
 pub fn score_keys(
     queries: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    keys: &[u8],
+    values: &[u8],
     offsets: &[usize],
     dim: usize,
     scale: f32,
@@ -283,13 +231,22 @@ pub fn score_keys(
 ) {
     let group = scores.len().checked_div(offsets.len()).unwrap_or(0);
     assert!(fits(scores.len(), offsets.len().checked_mul(group)) && fits(queries.len(), group.checked_mul(dim)));
-    assert!(offsets
-        .iter()
-        .all(|&o| fits(keys.len(), o.checked_add(dim)) && fits(values.len(), o.checked_add(dim))));
+    assert!(rows_fit(keys, offsets, dim) && rows_fit(values, offsets, dim));
     #[cfg(target_arch = "x86_64")]
     {
-        let kernel = if has_avx512() && dim.is_multiple_of(16) && dim > 0 {
-            score_keys_instance!(score_keys_avx512, group)
+        let kernel = if has_kv24_avx512() && dim.is_multiple_of(16) && dim > 0 {
+            // Keys a pass: as many as fill sixteen sums (see `score_keys_avx512`).
+            match group {
+                1 => Some(score_keys_avx512::<1, 16> as ScoreKeysKernel),
+                2 => Some(score_keys_avx512::<2, 8> as ScoreKeysKernel),
+                3 => Some(score_keys_avx512::<3, 5> as ScoreKeysKernel),
+                4 => Some(score_keys_avx512::<4, 4> as ScoreKeysKernel),
+                5 => Some(score_keys_avx512::<5, 3> as ScoreKeysKernel),
+                6 => Some(score_keys_avx512::<6, 2> as ScoreKeysKernel),
+                7 => Some(score_keys_avx512::<7, 2> as ScoreKeysKernel),
+                8 => Some(score_keys_avx512::<8, 2> as ScoreKeysKernel),
+                _ => None,
+            }
         } else if has_avx2() && dim.is_multiple_of(8) && dim > 0 {
             // Keys a pass: as many as keep twelve sums in flight (see `score_keys_avx2`).
             match group {
@@ -315,65 +272,23 @@ pub fn score_keys(
             return;
         }
     }
-    for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
-        super::prefetch_l2(&keys[ahead..ahead + dim]);
-        super::prefetch_l2(&values[ahead..ahead + dim]);
-    }
-    for (index, (row, &at)) in scores.chunks_exact_mut(group.max(1)).zip(offsets).enumerate() {
-        if let Some(&ahead) = offsets.get(index + PREFETCH_L2_ROWS_AHEAD) {
-            super::prefetch_l2(&keys[ahead..ahead + dim]);
-            super::prefetch_l2(&values[ahead..ahead + dim]);
-        }
-        if let Some(&ahead) = offsets.get(index + PREFETCH_ROWS_AHEAD) {
-            super::prefetch(&keys[ahead..ahead + dim]);
-            super::prefetch(&values[ahead..ahead + dim]);
-        }
-        group_dots(queries, &keys[at..at + dim], scale, row);
+    for (row, &at) in scores.chunks_exact_mut(group.max(1)).zip(offsets) {
+        group_dots(queries, &keys[at * KV_VALUE_BYTES..], dim, scale, row);
     }
 }
 
-/// [`score_keys`] for `G` query heads (the dispatch checked that `dim` is a positive multiple
-/// of 16).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn score_keys_avx512<const G: usize>(
-    queries: *const f32,
-    keys: *const f32,
-    values: *const f32,
-    offsets: &[usize],
-    dim: usize,
-    scale: f32,
-    scores: *mut f32,
-) {
-    // SAFETY (whole body): see `score_keys`.
-    unsafe {
-        // The first rows are asked into L2 all at once (from memory they arrive in parallel),
-        // then each row `PREFETCH_L2_ROWS_AHEAD` ahead of its use into L2 and
-        // `PREFETCH_ROWS_AHEAD` ahead into L1.
-        for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
-            prefetch_key_rows::<_MM_HINT_T1>(keys, Some(values), ahead, dim);
-        }
-        for (t, &at) in offsets.iter().enumerate() {
-            if let Some(&ahead) = offsets.get(t + PREFETCH_L2_ROWS_AHEAD) {
-                prefetch_key_rows::<_MM_HINT_T1>(keys, Some(values), ahead, dim);
-            }
-            // Key rows only: the value rows are summed after every key of the part is scored,
-            // by when rows fetched into L1 this early have left it (measured at `score_keys`).
-            if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
-                prefetch_row::<_MM_HINT_T0>(keys, ahead, dim);
-            }
-            let row = keys.add(at);
-            let mut acc = [_mm512_setzero_ps(); G];
-            for c in (0..dim).step_by(16) {
-                let k = _mm512_loadu_ps(row.add(c));
-                for (g, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(_mm512_loadu_ps(queries.add(g * dim + c)), k, *a);
-                }
-            }
-            for (g, a) in acc.iter().enumerate() {
-                *scores.add(t * G + g) = scale * _mm512_reduce_add_ps(*a);
-            }
-        }
+/// Walks `count` keys `K` a pass while `K` are left, then one at a time: `fetch(t)` for each key
+/// `t` of a pass, then `pass(first, whole)` (`whole` for a pass of `K`). The scoring loops' shared
+/// walk; inlined into each, with their target features.
+#[inline(always)]
+fn in_passes<const K: usize>(count: usize, mut fetch: impl FnMut(usize), mut pass: impl FnMut(usize, bool)) {
+    let mut t = 0;
+    while t < count {
+        let whole = t + K <= count;
+        let keys_now = if whole { K } else { 1 };
+        (t..t + keys_now).for_each(&mut fetch);
+        pass(t, whole);
+        t += keys_now;
     }
 }
 
@@ -399,8 +314,8 @@ unsafe fn score_keys_avx512<const G: usize>(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn score_keys_avx2<const G: usize, const K: usize>(
     queries: *const f32,
-    keys: *const f32,
-    values: *const f32,
+    keys: *const u8,
+    values: *const u8,
     offsets: &[usize],
     dim: usize,
     scale: f32,
@@ -413,26 +328,25 @@ unsafe fn score_keys_avx2<const G: usize, const K: usize>(
         for &ahead in offsets.iter().take(PREFETCH_L2_ROWS_AHEAD) {
             prefetch_key_rows::<_MM_HINT_T1>(keys, value_rows, ahead, dim);
         }
-        let mut t = 0;
-        while t < offsets.len() {
-            // `K` keys a pass while `K` are left, then one at a time.
-            let whole = t + K <= offsets.len();
-            let keys_now = if whole { K } else { 1 };
-            for ahead in t..t + keys_now {
-                if let Some(&ahead) = offsets.get(ahead + PREFETCH_L2_ROWS_AHEAD) {
+        in_passes::<K>(
+            offsets.len(),
+            |t| {
+                if let Some(&ahead) = offsets.get(t + PREFETCH_L2_ROWS_AHEAD) {
                     prefetch_key_rows::<_MM_HINT_T1>(keys, value_rows, ahead, dim);
                 }
-                if let Some(&ahead) = offsets.get(ahead + PREFETCH_ROWS_AHEAD) {
+                if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
                     prefetch_key_rows::<_MM_HINT_T0>(keys, value_rows, ahead, dim);
                 }
-            }
-            if whole {
-                score_pass::<G, K>(queries, keys, &offsets[t..], dim, scale, scores.add(t * G));
-            } else {
-                score_pass::<G, 1>(queries, keys, &offsets[t..], dim, scale, scores.add(t * G));
-            }
-            t += keys_now;
-        }
+            },
+            |t, whole| {
+                let (rows, out) = (&offsets[t..], scores.add(t * G));
+                if whole {
+                    score_pass::<G, K>(queries, keys, rows, dim, scale, out);
+                } else {
+                    score_pass::<G, 1>(queries, keys, rows, dim, scale, out);
+                }
+            },
+        );
     }
 }
 
@@ -446,7 +360,7 @@ unsafe fn score_keys_avx2<const G: usize, const K: usize>(
 #[inline]
 unsafe fn score_pass<const G: usize, const K: usize>(
     queries: *const f32,
-    keys: *const f32,
+    keys: *const u8,
     offsets: &[usize],
     dim: usize,
     scale: f32,
@@ -455,10 +369,10 @@ unsafe fn score_pass<const G: usize, const K: usize>(
     // SAFETY (whole body): see above; `acc` holds 16 vectors, so each reduction's eight lie in it.
     unsafe {
         let mut acc = [_mm256_setzero_ps(); 16];
-        let rows: [*const f32; K] = std::array::from_fn(|key| keys.add(offsets[key]));
+        let rows: [*const u8; K] = std::array::from_fn(|key| keys.add(offsets[key] * KV_VALUE_BYTES));
         for c in (0..dim).step_by(8) {
             for key in 0..K {
-                let k = _mm256_loadu_ps(rows[key].add(c));
+                let k = load8(rows[key].add(c * KV_VALUE_BYTES));
                 for g in 0..G {
                     acc[key * G + g] = _mm256_fmadd_ps(_mm256_loadu_ps(queries.add(g * dim + c)), k, acc[key * G + g]);
                 }
@@ -504,35 +418,19 @@ pub(super) fn sums_of_eight(vectors: &[__m256; 8], used: usize) -> __m256 {
     _mm256_add_ps(first_halves, second_halves)
 }
 
-/// Asks for the row at `at` of `rows` (`dim` values) with the prefetch hint `HINT`.
-///
-/// # Safety
-/// The row lies inside `rows`' allocation (a prefetch never faults, but the address arithmetic
-/// must stay in bounds).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn prefetch_row<const HINT: i32>(rows: *const f32, at: usize, dim: usize) {
-    // SAFETY (whole body): see above.
-    unsafe {
-        for line in (0..dim).step_by(16) {
-            _mm_prefetch::<HINT>(rows.add(at + line).cast());
-        }
-    }
-}
-
 /// Asks for the key row at `at`, and the value row there where `values` is given (`dim` values
 /// each), with the prefetch hint `HINT`.
 ///
 /// # Safety
-/// As [`prefetch_row`], for each row asked for.
+/// As [`prefetch_packed_row`], for each row asked for.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn prefetch_key_rows<const HINT: i32>(keys: *const f32, values: Option<*const f32>, at: usize, dim: usize) {
+unsafe fn prefetch_key_rows<const HINT: i32>(keys: *const u8, values: Option<*const u8>, at: usize, dim: usize) {
     // SAFETY: see above.
     unsafe {
-        prefetch_row::<HINT>(keys, at, dim);
+        prefetch_packed_row::<HINT>(keys, at, dim);
         if let Some(values) = values {
-            prefetch_row::<HINT>(values, at, dim);
+            prefetch_packed_row::<HINT>(values, at, dim);
         }
     }
 }
@@ -540,10 +438,10 @@ unsafe fn prefetch_key_rows<const HINT: i32>(keys: *const f32, values: Option<*c
 /// [`weighted_rows`] on AVX-512: `G` heads, `CV` vectors of each head's output per pass; returns
 /// true (the dispatch checked that `dim` is a multiple of `16 · CV`).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
 unsafe fn weighted_rows_avx512<const G: usize, const CV: usize>(
     weights: *const f32,
-    values: *const f32,
+    values: *const u8,
     offsets: &[usize],
     dim: usize,
     out: *mut f32,
@@ -553,8 +451,8 @@ unsafe fn weighted_rows_avx512<const G: usize, const CV: usize>(
         for slice in (0..dim).step_by(16 * CV) {
             let mut acc = [[_mm512_setzero_ps(); CV]; G];
             for (t, &offset) in offsets.iter().enumerate() {
-                let row = values.add(offset + slice);
-                let v: [__m512; CV] = std::array::from_fn(|c| _mm512_loadu_ps(row.add(16 * c)));
+                let row = values.add((offset + slice) * KV_VALUE_BYTES);
+                let v: [__m512; CV] = std::array::from_fn(|c| load16(row.add(16 * c * KV_VALUE_BYTES)));
                 for (g, head) in acc.iter_mut().enumerate() {
                     let w = _mm512_set1_ps(*weights.add(t * G + g));
                     for (a, vc) in head.iter_mut().zip(&v) {

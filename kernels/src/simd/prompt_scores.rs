@@ -14,7 +14,11 @@ use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
 use super::grouped_heads::sums_of_eight;
-use super::{fits, has_avx512, strided_len};
+use super::kv24::has_kv24_avx512;
+#[cfg(target_arch = "x86_64")]
+use super::kv24::{load16, prefetch_packed_row};
+use super::{fits, strided_len};
+use crate::kv_values::{KV_READ_PAST, KV_VALUE_BYTES};
 
 /// Tokens per pass for `group` query heads per KV head: up to 16 (token, head) sums per key.
 fn tokens_per_pass(group: usize) -> Option<usize> {
@@ -28,10 +32,11 @@ fn tokens_per_pass(group: usize) -> Option<usize> {
 /// Whether [`score_prompt_keys`] takes `group` query heads of `dim` values on this CPU (else
 /// the caller scores one token at a time).
 pub fn prompt_scores_take(group: usize, dim: usize) -> bool {
-    has_avx512() && dim.is_multiple_of(16) && dim > 0 && tokens_per_pass(group).is_some()
+    has_kv24_avx512() && dim.is_multiple_of(16) && dim > 0 && tokens_per_pass(group).is_some()
 }
 
-/// `scores[q][t][g] = scale · query(q)_g · keys[offsets[t]..][..dim]` for `tokens` tokens `q`
+/// `scores[q][t][g] = scale · query(q)_g · key row t` (the `dim` packed values from value
+/// `offsets[t]` of `keys`, [`crate::kv_values`]) for `tokens` tokens `q`
 /// (token `q`'s `group` query heads at `queries[q · query_stride..]`, `[group][dim]`), every key
 /// row `t` and head `g`: `scores` is `[tokens][offsets.len()][group]`. Every token is scored
 /// against every row; a caller whose tokens see fewer keys reads only their first rows' scores.
@@ -42,7 +47,7 @@ pub fn score_prompt_keys(
     query_stride: usize,
     tokens: usize,
     group: usize,
-    keys: &[f32],
+    keys: &[u8],
     offsets: &[usize],
     dim: usize,
     scale: f32,
@@ -56,7 +61,12 @@ pub fn score_prompt_keys(
         scores.len(),
         tokens.checked_mul(offsets.len()).and_then(|n| n.checked_mul(group))
     ));
-    assert!(offsets.iter().all(|&o| fits(keys.len(), o.checked_add(dim))));
+    assert!(offsets.iter().all(|&o| fits(
+        keys.len(),
+        o.checked_add(dim)
+            .and_then(|end| end.checked_mul(KV_VALUE_BYTES))
+            .and_then(|end| end.checked_add(KV_READ_PAST))
+    )));
     #[cfg(target_arch = "x86_64")]
     {
         let per_pass = tokens_per_pass(group).unwrap_or(1);
@@ -64,7 +74,8 @@ pub fn score_prompt_keys(
             let count = per_pass.min(tokens - first);
             let (q, k) = (queries[first * query_stride..].as_ptr(), keys.as_ptr());
             let out = scores[first * offsets.len() * group..].as_mut_ptr();
-            // SAFETY: AVX-512F present and `dim` a positive multiple of 16 (`prompt_scores_take`);
+            // SAFETY: AVX-512F, BW and VBMI present and `dim` a positive multiple of 16
+            // (`prompt_scores_take`);
             // tokens `first..first + count` hold `group · dim` queries each, `query_stride`
             // apart, every key row read lies in `keys`, and `out` holds `count` tokens' scores
             // (asserted above).
@@ -90,13 +101,13 @@ const PREFETCH_ROWS_AHEAD: usize = 8;
 /// `count` are computed from the first token's queries and not stored, so that the loops keep
 /// their constant bounds.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx2")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn scores_avx512<const G: usize, const Q: usize>(
     queries: *const f32,
     query_stride: usize,
     count: usize,
-    keys: *const f32,
+    keys: *const u8,
     offsets: &[usize],
     dim: usize,
     scale: f32,
@@ -110,15 +121,13 @@ unsafe fn scores_avx512<const G: usize, const Q: usize>(
         let scale = _mm256_set1_ps(scale);
         for (t, &at) in offsets.iter().enumerate() {
             if let Some(&ahead) = offsets.get(t + PREFETCH_ROWS_AHEAD) {
-                for line in (0..dim).step_by(16) {
-                    _mm_prefetch::<_MM_HINT_T0>(keys.add(ahead + line).cast());
-                }
+                prefetch_packed_row::<_MM_HINT_T0>(keys, ahead, dim);
             }
-            let row = keys.add(at);
+            let row = keys.add(at * KV_VALUE_BYTES);
             // Sum `q · G + g` in vector `q · G + g`: 16 at most.
             let mut acc = [_mm512_setzero_ps(); 16];
             for c in (0..dim).step_by(16) {
-                let k = _mm512_loadu_ps(row.add(c));
+                let k = load16(row.add(c * KV_VALUE_BYTES));
                 for (q, token) in token_queries.iter().enumerate() {
                     for g in 0..G {
                         let a = &mut acc[q * G + g];

@@ -180,7 +180,7 @@ fn main() -> anyhow::Result<()> {
     let bytes =
         // At least one 1024-token sequence (the cache's own minimum for max_model_len 1024).
         (max_batch * blocks_per_seq).max(1024 / BLOCK_SIZE + 1) as usize
-            * rivulet_worker::kv_cache::bytes_per_block(&config, 16, kind);
+            * rivulet_worker::kv_cache::bytes_per_block(&config, 16, kind.elt_size_in_bytes());
     // RIVULET_BENCH_ENGINE: `kernels` (the worker's CPU default), `libtorch`, or `both` (default:
     // both, so that their ratio comes from one run). The kernels are CPU-only.
     let engines = if device == Device::Cpu {
@@ -305,12 +305,13 @@ fn main() -> anyhow::Result<()> {
 /// Writes every key and value of the cache (see the module docs): small values that vary from
 /// slot to slot, so that scores differ as a real context's do.
 fn fill_like_a_context(cache: &mut HostKvCache) {
+    use rivulet_kernels::kv_values::{pack_kv, KV_VALUE_BYTES};
     for layer in &mut cache.layers {
-        for (i, key) in layer.keys.iter_mut().enumerate() {
-            *key = ((i * 7919 % 2003) as f32 - 1001.0) * 1e-3;
+        for (i, key) in layer.keys.chunks_exact_mut(KV_VALUE_BYTES).enumerate() {
+            key.copy_from_slice(&pack_kv(((i * 7919 % 2003) as f32 - 1001.0) * 1e-3));
         }
-        for (i, value) in layer.values.iter_mut().enumerate() {
-            *value = ((i * 104_729 % 1999) as f32 - 999.0) * 1e-3;
+        for (i, value) in layer.values.chunks_exact_mut(KV_VALUE_BYTES).enumerate() {
+            value.copy_from_slice(&pack_kv(((i * 104_729 % 1999) as f32 - 999.0) * 1e-3));
         }
     }
 }
