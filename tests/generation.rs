@@ -251,6 +251,23 @@ async fn generation_stops_at_the_models_end_of_sequence_token() {
                     !response.text.contains("<|im_end|>"),
                     "the EOS token's text is not part of the output"
                 );
+                // Before min_new_tokens EOS is never chosen (vLLM's min_tokens): the same
+                // tokens up to it, then something else, and no EOS among the first `min`.
+                let min = at + 4;
+                let mut request = greedy_request(prompt, 48);
+                request.stopping = Some(StoppingCriteria {
+                    max_new_tokens: Some(48),
+                    min_new_tokens: min as u32,
+                    ..Default::default()
+                });
+                let longer = client.generate(request).await.expect("generate").into_inner();
+                assert_eq!(longer.token_ids[..at], full[..at], "{prompt:?} before EOS");
+                assert!(longer.token_ids.len() >= min, "{prompt:?}: {:?}", longer.token_ids);
+                assert!(
+                    !longer.token_ids[..min].contains(&eos),
+                    "{prompt:?}: {:?}",
+                    longer.token_ids
+                );
             }
             None => {
                 assert_eq!(response.token_ids, full, "output for {prompt:?}");
@@ -297,6 +314,17 @@ async fn bad_input_is_invalid_argument_naming_the_field_and_the_server_keeps_ser
                 ..greedy_request("Hi", 8)
             },
             "sampling.temperature",
+        ),
+        (
+            GenerateRequest {
+                stopping: Some(StoppingCriteria {
+                    max_new_tokens: Some(8),
+                    stop_token_ids: (0..17).collect(),
+                    ..Default::default()
+                }),
+                ..greedy_request("Hi", 8)
+            },
+            "stopping.stop_token_ids",
         ),
     ];
     for (request, field) in cases {

@@ -110,20 +110,20 @@ async fn stop_token_ids_min_new_tokens_and_the_character_limit() {
     assert_eq!(reason, FinishReason::StopToken);
     assert_eq!(unary.token_ids, tokens[..=first]);
 
-    // Not before min_new_tokens.
-    let later = tokens
-        .iter()
-        .skip(first + 1)
-        .position(|&t| t == stop_token)
-        .map(|p| p + first + 1);
-    let min = StoppingCriteria {
-        min_new_tokens: first as u32 + 2,
+    // Never chosen before min_new_tokens (vLLM's min_tokens): the same tokens up to it, then
+    // another, and the stop token only from `min` on, where it ends the output.
+    let min = first + 2;
+    let at_least = StoppingCriteria {
+        min_new_tokens: min as u32,
         ..stopping
     };
-    let (unary, _, _) = unary_and_streamed(with_stopping(PROMPT, min)).await;
-    match later {
-        Some(at) if at + 1 >= first + 2 => assert_eq!(unary.token_ids, tokens[..=at]),
-        _ => assert_eq!(unary.token_ids, tokens, "no later stop token: runs to max_new_tokens"),
+    let (unary, _, reason) = unary_and_streamed(with_stopping(PROMPT, at_least)).await;
+    let ids = &unary.token_ids;
+    assert_eq!(ids[..first], tokens[..first]);
+    assert!(!ids[..min].contains(&stop_token), "{ids:?}");
+    match ids.iter().position(|&t| t == stop_token) {
+        Some(at) => assert_eq!((at + 1, reason), (ids.len(), FinishReason::StopToken)),
+        None => assert_eq!((ids.len(), reason), (24, FinishReason::MaxTokens)),
     }
 
     // The character limit cuts the text on a character boundary, reason LENGTH.

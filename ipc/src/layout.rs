@@ -16,8 +16,9 @@ use std::marker::PhantomData;
 use serde::{Deserialize, Serialize};
 
 pub const STEP_MAGIC: u32 = 0x5256_4C54; // "RVLT"
-/// Bumped whenever the buffer's layout changes (2: sampling parameters became [`SeqSampling`] rows).
-pub const STEP_LAYOUT_VERSION: u32 = 2;
+/// Bumped whenever the buffer's layout changes (2: sampling parameters became [`SeqSampling`] rows;
+/// 3: `banned_count` and `banned_tokens`).
+pub const STEP_LAYOUT_VERSION: u32 = 3;
 const ARRAY_ALIGN: usize = 64;
 
 /// Written by the scheduler before each `Step`; read by the worker.
@@ -50,6 +51,10 @@ const _: () = assert!(size_of::<StepCapacity>() == 16);
 
 /// Alternatives per token that `top_logprobs` may ask for.
 pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Tokens a sequence's row may forbid its next choice (`banned_tokens`): its stop tokens while it
+/// has generated fewer than `min_new_tokens`, as vLLM's `min_tokens` forbids them.
+pub const MAX_BANNED_TOKENS: usize = 32;
 
 /// One sequence's sampling parameters: a row of the `sampling` array, written by the scheduler
 /// from the request's parameters, read by the worker for the sequences it samples.
@@ -257,6 +262,13 @@ step_arrays! {
     /// Each sequence's sampling parameters.
     sampling: SeqSampling [seqs],
 
+    // Inputs: the tokens a sampled sequence may not be given this step (its EOS and stop token
+    // ids before `min_new_tokens`): the argmax or draw skips them; logprobs stay the model's.
+    /// How many of the sequence's row of `banned_tokens` are used (`0..=MAX_BANNED_TOKENS`).
+    banned_count: i64 [seqs],
+    /// `[max_seqs, MAX_BANNED_TOKENS]`, row-major: the token ids.
+    banned_tokens: i64 [seqs * MAX_BANNED_TOKENS],
+
     // Inputs: penalty histories (prompt, then generated tokens) of the sequences that need one.
     /// Prefix sums into `history_tokens` (`num_seqs + 1` of them).
     history_start: i64 [seqs + 1],
@@ -302,6 +314,7 @@ mod tests {
         assert_eq!(layout.sampling.len, 7);
         assert_eq!(layout.sampling.byte_len(), 7 * 56);
         assert_eq!(layout.top_logprob_ids.len, 7 * MAX_TOP_LOGPROBS);
+        assert_eq!(layout.banned_tokens.len, 7 * MAX_BANNED_TOKENS);
         assert_eq!(layout.arrays().len(), StepLayout::ARRAY_COUNT);
         assert_eq!(layout.arrays()[0].name, "input_ids");
     }

@@ -2,12 +2,22 @@
 //! straight into the mapping: nothing is allocated per iteration. The only writer of the step's
 //! inputs; the arrays and the sampling row are described in `rivulet_ipc::layout`.
 
+use rivulet_ipc::layout::MAX_BANNED_TOKENS;
 use rivulet_ipc::{SeqSampling, StepBuffer};
 
 use crate::scheduler::{ScheduledSeq, StepPlan};
 use crate::sequence::Sequence;
 
-pub fn write_step(buffer: &mut StepBuffer, step: u64, plan: &StepPlan, running: &[Sequence], block_size: u32) {
+/// `eos_token_ids`: the model's, which a sequence may not be given before its `min_new_tokens`
+/// (unless it ignores EOS), as its stop token ids may not.
+pub fn write_step(
+    buffer: &mut StepBuffer,
+    step: u64,
+    plan: &StepPlan,
+    running: &[Sequence],
+    block_size: u32,
+    eos_token_ids: &[u32],
+) {
     let layout = *buffer.layout();
     let block_size = block_size as usize;
     let max_blocks = layout.capacity.max_blocks_per_seq as usize;
@@ -62,6 +72,7 @@ pub fn write_step(buffer: &mut StepBuffer, step: u64, plan: &StepPlan, running: 
     for (i, (_, seq)) in scheduled().enumerate() {
         sampling[i] = sampling_row(seq);
     }
+    write_banned_tokens(buffer, plan, running, eos_token_ids);
     write_penalty_histories(buffer, plan, running);
     let tables = buffer.array_mut(layout.block_tables);
     for (i, (_, seq)) in scheduled().enumerate() {
@@ -92,6 +103,31 @@ fn sampling_row(seq: &Sequence) -> SeqSampling {
             0
         },
     }
+}
+
+/// For sequences that sample this step short of their `min_new_tokens`, the tokens that would
+/// stop them (vLLM's `min_tokens`: the model's EOS unless the request ignores it, and its stop
+/// token ids), so that the worker never chooses one; the completion check ignores them there
+/// too, should a row hold more than [`MAX_BANNED_TOKENS`] (validation keeps requests' lists
+/// shorter).
+fn write_banned_tokens(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Sequence], eos_token_ids: &[u32]) {
+    let layout = *buffer.layout();
+    let mut counts = vec![0i64; plan.seqs.len()];
+    let banned = buffer.array_mut(layout.banned_tokens);
+    for (i, s) in plan.seqs.iter().enumerate() {
+        let seq = &running[s.running_index];
+        let stopping = &seq.request.stopping;
+        if !s.sample || seq.num_generated() >= stopping.min_new_tokens as usize {
+            continue;
+        }
+        let eos = eos_token_ids.iter().filter(|_| !stopping.ignore_eos);
+        let row = &mut banned[i * MAX_BANNED_TOKENS..(i + 1) * MAX_BANNED_TOKENS];
+        for (slot, &token) in row.iter_mut().zip(stopping.stop_token_ids.iter().chain(eos)) {
+            *slot = i64::from(token);
+            counts[i] += 1;
+        }
+    }
+    buffer.array_mut(layout.banned_count)[..counts.len()].copy_from_slice(&counts);
 }
 
 /// For sequences with penalties that sample this step, their token history (prompt, then

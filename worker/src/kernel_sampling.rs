@@ -28,6 +28,8 @@ pub struct RowRequest<'a> {
     pub history: &'a [i64],
     /// How many of `history`'s tokens are the prompt's.
     pub prompt_len: usize,
+    /// Tokens the row may not choose (its stop tokens before `min_new_tokens`; ids validated).
+    pub banned: &'a [i64],
 }
 
 /// Every sampled row's token, `[rows]`, and `[rows][top]` alternatives.
@@ -92,14 +94,22 @@ fn choose(row: &[f32], request: &RowRequest<'_>) -> RowChoice {
         presence: params.presence_penalty,
     };
     let penalized = !request.history.is_empty() && !penalties.is_neutral();
-    let token = if !penalized && params.temperature <= 0.0 {
+    let banned = !request.banned.is_empty();
+    let token = if !penalized && !banned && params.temperature <= 0.0 {
         summary.argmax
     } else {
         SCRATCH.with_borrow_mut(|(adjusted, weights)| {
-            let logits = if penalized {
+            let logits = if penalized || banned {
                 adjusted.clear();
                 adjusted.extend_from_slice(row);
-                apply_penalties(adjusted, request.history, request.prompt_len, &penalties);
+                if penalized {
+                    apply_penalties(adjusted, request.history, request.prompt_len, &penalties);
+                }
+                for &token in request.banned {
+                    if let Some(logit) = usize::try_from(token).ok().and_then(|t| adjusted.get_mut(t)) {
+                        *logit = f32::NEG_INFINITY;
+                    }
+                }
                 &adjusted[..]
             } else {
                 row
@@ -151,7 +161,7 @@ impl SampledRows {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampler::{sample, PenaltyHistory, SamplingBatch};
+    use crate::sampler::{sample, BannedTokens, PenaltyHistory, SamplingBatch};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
     use tch::{Device, Kind};
@@ -173,7 +183,16 @@ mod tests {
             tokens: Tensor::from_slice(&tokens).to_device(device),
             generated: Tensor::from_slice(&generated).to_device(device),
         });
-        let batch = SamplingBatch::from_rows(&rows, history, device).expect("batch");
+        let (mut banned_rows, mut banned_tokens) = (Vec::new(), Vec::new());
+        for (row, request) in requests.iter().enumerate() {
+            banned_rows.extend(std::iter::repeat_n(row as i64, request.banned.len()));
+            banned_tokens.extend_from_slice(request.banned);
+        }
+        let banned = (!banned_tokens.is_empty()).then(|| BannedTokens {
+            rows: Tensor::from_slice(&banned_rows).to_device(device),
+            tokens: Tensor::from_slice(&banned_tokens).to_device(device),
+        });
+        let batch = SamplingBatch::from_rows(&rows, history, banned, device).expect("batch");
         let logits = Tensor::from_slice(logits)
             .view([requests.len() as i64, vocab as i64])
             .to_device(device);
@@ -247,16 +266,34 @@ mod tests {
             let histories: Vec<Vec<i64>> = (0..rows)
                 .map(|i| (0..i * 3).map(|_| rng.random_range(0..vocab as i64)).collect())
                 .collect();
+            // Every third row may not choose its two likeliest tokens (as before `min_tokens`).
+            let banned: Vec<Vec<i64>> = (0..rows)
+                .map(|i| {
+                    let row = &logits[i * vocab..(i + 1) * vocab];
+                    let mut order: Vec<usize> = (0..vocab).collect();
+                    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+                    order
+                        .iter()
+                        .take(if i % 3 == 1 { 2 } else { 0 })
+                        .map(|&t| t as i64)
+                        .collect()
+                })
+                .collect();
             let requests: Vec<RowRequest<'_>> = params
                 .iter()
                 .zip(&histories)
-                .map(|(&params, history)| RowRequest {
+                .zip(&banned)
+                .map(|((&params, history), banned)| RowRequest {
                     params,
                     history,
                     prompt_len: history.len() / 2,
+                    banned,
                 })
                 .collect();
             let ours = sample_rows(&logits, vocab, &requests, 3);
+            for (request, &token) in requests.iter().zip(&ours.tokens) {
+                assert!(!request.banned.contains(&token), "a banned token {token} was chosen");
+            }
             let theirs = libtorch(&logits, vocab, &requests, device);
             assert_eq!(ours.tokens, values::<i64>(&theirs.tokens), "round {round}");
             for (a, b) in ours.logprobs.iter().zip(values::<f32>(&theirs.logprobs)) {
@@ -288,6 +325,7 @@ mod tests {
                 params,
                 history: &[],
                 prompt_len: 0,
+                banned: &[],
             };
             rows as usize
         ];

@@ -28,6 +28,13 @@ pub struct PenaltyHistory {
     pub generated: Tensor,
 }
 
+/// Tokens some rows may not choose (their stop tokens before `min_new_tokens`): pairs of a row
+/// and a token id, `[B]` i64 each.
+pub struct BannedTokens {
+    pub rows: Tensor,
+    pub tokens: Tensor,
+}
+
 /// Per-row sampling parameters, `[rows]` each, on the logits' device.
 pub struct SamplingBatch {
     pub temperature: Tensor,
@@ -41,6 +48,7 @@ pub struct SamplingBatch {
     /// [`race_key`] XORed, as `race_bits` folds them).
     pub race_key: Tensor,
     pub history: Option<PenaltyHistory>,
+    pub banned: Option<BannedTokens>,
     /// Which optional stages any row needs (computed on the host, so unused ones cost nothing).
     pub any_random: bool,
     pub any_top_k: bool,
@@ -56,6 +64,7 @@ impl SamplingBatch {
     pub fn from_rows(
         rows: &[SeqSampling],
         history: Option<PenaltyHistory>,
+        banned: Option<BannedTokens>,
         device: Device,
     ) -> Result<Self, tch::TchError> {
         let race_keys: Vec<i64> = rows
@@ -80,6 +89,7 @@ impl SamplingBatch {
             presence_penalty: column(rows, |row| row.presence_penalty, device)?,
             race_key: Tensor::f_from_slice(&race_keys)?.f_to_device(device)?,
             history,
+            banned,
         })
     }
 }
@@ -110,6 +120,14 @@ pub fn sample(logits: &Tensor, batch: &SamplingBatch) -> Sampled {
     let logits = match &batch.history {
         Some(history) => apply_penalties(logits, history, batch),
         None => logits.shallow_clone(),
+    };
+    // Banned tokens can be neither the argmax nor drawn; logprobs stay the raw logits'.
+    let logits = match &batch.banned {
+        Some(banned) => {
+            let minus_infinity = Tensor::full([1], f64::NEG_INFINITY, (logits.kind(), logits.device()));
+            logits.index_put(&[Some(&banned.rows), Some(&banned.tokens)], &minus_infinity, false)
+        }
+        None => logits,
     };
     let greedy = logits.argmax(-1, false);
     let tokens = if batch.any_random {
@@ -235,7 +253,7 @@ mod tests {
                 ..template
             })
             .collect();
-        SamplingBatch::from_rows(&rows, None, Device::Cpu).expect("batch")
+        SamplingBatch::from_rows(&rows, None, None, Device::Cpu).expect("batch")
     }
 
     fn logits(rows: i64) -> Tensor {
@@ -341,14 +359,14 @@ mod tests {
             repetition_penalty: 4.0,
             ..row(0.0, 0)
         };
-        let batch = SamplingBatch::from_rows(&[repetition], Some(history(&[0], &[false])), Device::Cpu);
+        let batch = SamplingBatch::from_rows(&[repetition], Some(history(&[0], &[false])), None, Device::Cpu);
         // 2.0 / 4 = 0.5 < 1.0: token 1 wins.
         assert_eq!(sample(&logits(1), &batch.expect("batch")).tokens.int64_value(&[0]), 1);
         let frequency = SeqSampling {
             frequency_penalty: 0.6,
             ..row(0.0, 0)
         };
-        let batch = SamplingBatch::from_rows(&[frequency], Some(history(&[0, 0], &[true, true])), Device::Cpu);
+        let batch = SamplingBatch::from_rows(&[frequency], Some(history(&[0, 0], &[true, true])), None, Device::Cpu);
         // 2.0 − 2 × 0.6 = 0.8 < 1.0.
         assert_eq!(sample(&logits(1), &batch.expect("batch")).tokens.int64_value(&[0]), 1);
     }

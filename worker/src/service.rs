@@ -224,6 +224,7 @@ impl Worker {
                         params: SeqSampling::GREEDY,
                         history: &[],
                         prompt_len: 0,
+                        banned: &[],
                     };
                     model.in_pool(|| sample_rows(&logits, vocab, &[row], 0));
                 }

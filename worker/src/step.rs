@@ -2,14 +2,14 @@
 //! model and the cache (so a bad step is an error, never a crash), the sampling batch built from
 //! it, and the outputs written back.
 
-use rivulet_ipc::layout::MAX_TOP_LOGPROBS;
+use rivulet_ipc::layout::{MAX_BANNED_TOKENS, MAX_TOP_LOGPROBS};
 use rivulet_ipc::{SeqSampling, StepBuffer, StepHeader};
 use tch::{Device, Kind, Tensor};
 
 use crate::attention::SeqSlice;
 use crate::error::WorkerError;
 use crate::kernel_sampling::RowRequest;
-use crate::sampler::{PenaltyHistory, Sampled, SamplingBatch};
+use crate::sampler::{BannedTokens, PenaltyHistory, Sampled, SamplingBatch};
 use crate::step_view::StepView;
 
 /// What validation checks against.
@@ -105,6 +105,18 @@ pub fn validate(buffer: &StepBuffer, header: &StepHeader, limits: StepLimits) ->
     let num_slots = limits.num_blocks * limits.block_size;
     check_range("slot_mapping", &buffer.array(layout.slot_mapping)[..tokens], num_slots)?;
 
+    let banned_count = &buffer.array(layout.banned_count)[..seqs];
+    let banned_tokens = buffer.array(layout.banned_tokens);
+    for &seq in &host.sampled_seqs {
+        let seq = seq as usize;
+        let count = banned_count[seq];
+        if !(0..=MAX_BANNED_TOKENS as i64).contains(&count) {
+            return invalid(format!("sequence {seq}: {count} banned tokens"));
+        }
+        let row = &banned_tokens[seq * MAX_BANNED_TOKENS..seq * MAX_BANNED_TOKENS + count as usize];
+        check_range(&format!("banned tokens of sequence {seq}"), row, limits.vocab_size)?;
+    }
+
     let history_start = &buffer.array(layout.history_start)[..=seqs];
     let history_prompt = &buffer.array(layout.history_prompt_len)[..seqs];
     let capacity = layout.capacity.max_history_tokens as i64;
@@ -184,9 +196,17 @@ pub fn row_requests<'b>(buffer: &'b StepBuffer, host: &HostStep) -> Vec<RowReque
                 params: sampling[seq],
                 history: &tokens[start[seq] as usize..start[seq + 1] as usize],
                 prompt_len: prompt_len[seq] as usize,
+                banned: banned_row(buffer, seq),
             }
         })
         .collect()
+}
+
+/// Sequence `seq`'s banned tokens (count and ids as [`validate`] checked them).
+fn banned_row(buffer: &StepBuffer, seq: usize) -> &[i64] {
+    let layout = buffer.layout();
+    let count = buffer.array(layout.banned_count)[seq] as usize;
+    &buffer.array(layout.banned_tokens)[seq * MAX_BANNED_TOKENS..seq * MAX_BANNED_TOKENS + count]
 }
 
 /// The sampled sequences' parameters (from their rows of the `sampling` array) and penalty
@@ -221,7 +241,21 @@ pub fn sampling_batch(
             generated: Tensor::f_from_slice(&generated)?.f_to_device(device)?,
         })
     };
-    Ok(SamplingBatch::from_rows(&rows, history, device)?)
+    let (mut banned_rows, mut banned_tokens) = (Vec::new(), Vec::new());
+    for (row, &seq) in host.sampled_seqs.iter().enumerate() {
+        let banned = banned_row(buffer, seq as usize);
+        banned_rows.extend(std::iter::repeat_n(row as i64, banned.len()));
+        banned_tokens.extend_from_slice(banned);
+    }
+    let banned = if banned_tokens.is_empty() {
+        None
+    } else {
+        Some(BannedTokens {
+            rows: Tensor::f_from_slice(&banned_rows)?.f_to_device(device)?,
+            tokens: Tensor::f_from_slice(&banned_tokens)?.f_to_device(device)?,
+        })
+    };
+    Ok(SamplingBatch::from_rows(&rows, history, banned, device)?)
 }
 
 /// Writes the sampled tokens, their logprobs and the alternatives into the step buffer.

@@ -18,6 +18,11 @@ use crate::tokenizer::ModelTokenizer;
 /// Stop strings a request may carry.
 pub const MAX_STOP_STRINGS: usize = 8;
 
+/// Stop token ids a request may carry: with the model's EOS ids they must fit a step's row of
+/// banned tokens (`rivulet_ipc::layout::MAX_BANNED_TOKENS`), which keeps them from being chosen
+/// before `min_new_tokens`.
+pub const MAX_STOP_TOKEN_IDS: usize = 16;
+
 /// What the prompt is, as the client sent it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
@@ -301,6 +306,15 @@ impl Validator {
         }
         if stopping.stop.iter().any(String::is_empty) {
             return Err(ValidationError::invalid(Field::Stop, "stop strings must not be empty"));
+        }
+        if stopping.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(ValidationError::invalid(
+                Field::StopTokenIds,
+                format!(
+                    "{} stop token ids; at most {MAX_STOP_TOKEN_IDS}",
+                    stopping.stop_token_ids.len()
+                ),
+            ));
         }
         let vocab = self.limits.vocab_size;
         if let Some(bad) = stopping.stop_token_ids.iter().find(|&&id| id >= vocab) {

@@ -136,6 +136,7 @@ impl LiveReplica {
             &plan,
             &self.running,
             self.blocks.block_size(),
+            &self.ready.eos_token_ids,
         );
         self.in_flight = Some(InFlight {
             step: self.last_step,

@@ -383,6 +383,7 @@ impl KernelsBench {
                 params: SeqSampling::GREEDY,
                 history: &[],
                 prompt_len: 0,
+                banned: &[],
             };
             rows.len()
         ];
