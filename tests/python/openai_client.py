@@ -11,6 +11,7 @@ import json
 import math
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -197,6 +198,25 @@ try:
     check(False, "a wrong key is refused")
 except openai.AuthenticationError as error:
     check(error.status_code == 401, str(error))
+# Bodies that are not one JSON value, or too large to read, are refused in the same JSON shape.
+def raw_post(body):
+    request = urllib.request.Request(
+        base_url + "/v1/completions",
+        data=body,
+        headers={"content-type": "application/json", "authorization": f"Bearer {api_key}"},
+    )
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+for body, status in [
+    (b'{"prompt": "Hi", "max_tokens": 2} trailing', 400),
+    (b'{"prompt": "Hi"', 400),
+    (json.dumps({"prompt": "a" * (3 << 20)}).encode(), 413),
+]:
+    code, answer = raw_post(body)
+    check(code == status and answer["error"]["param"] is None, f"{body[:40]!r}: {code} {answer}")
 # Health and metrics need no key; the request id comes back.
 request = urllib.request.Request(base_url + "/health", headers={"x-request-id": "probe-42"})
 with urllib.request.urlopen(request) as response:

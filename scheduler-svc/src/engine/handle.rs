@@ -82,6 +82,11 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
+    /// `scheduler.max_queued_requests`: how many requests may wait for their first admission.
+    pub fn max_queued(&self) -> usize {
+        self.max_queued
+    }
+
     fn send(&self, command: EngineCommand) -> Result<(), EngineError> {
         self.inputs
             .send(EngineInput::Command(command))

@@ -36,7 +36,8 @@ impl ApiError {
         let top_level = path
             .split(['.', '['])
             .next()
-            .filter(|p| !p.is_empty())
+            // `?` is serde_path_to_error's word for "no field yet" (a body cut short, say).
+            .filter(|p| !p.is_empty() && *p != "?")
             .map(str::to_owned);
         let message = match &top_level {
             None => format!("the request body is not valid: {problem}"),
@@ -47,6 +48,17 @@ impl ApiError {
             message,
             kind: "invalid_request_error",
             param: top_level,
+            code: None,
+        }
+    }
+
+    /// A body axum could not read (over its size limit: 413; cut off or unreadable: 400).
+    pub fn unreadable_body(rejection: &axum::extract::rejection::BytesRejection) -> Self {
+        Self {
+            status: rejection.status(),
+            message: format!("the request body could not be read: {}", rejection.body_text()),
+            kind: "invalid_request_error",
+            param: None,
             code: None,
         }
     }

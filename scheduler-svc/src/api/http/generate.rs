@@ -11,6 +11,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -29,27 +30,40 @@ use crate::api::validation::RequestDraft;
 use crate::request::{FinishReason, SequenceEvent, TokenLogprob, Usage};
 use crate::tokenizer::ModelTokenizer;
 
-pub async fn completions(state: State<HttpState>, id: Extension<RequestId>, body: Bytes) -> Response {
+/// The body as bytes or axum's reason not (a body over its limit, say): answered in OpenAI's
+/// JSON like every other error, not as axum's plain text.
+type BodyBytes = Result<Bytes, BytesRejection>;
+
+pub async fn completions(state: State<HttpState>, id: Extension<RequestId>, body: BodyBytes) -> Response {
     generate(Endpoint::Completions, state, id, body).await
 }
 
-pub async fn chat_completions(state: State<HttpState>, id: Extension<RequestId>, body: Bytes) -> Response {
+pub async fn chat_completions(state: State<HttpState>, id: Extension<RequestId>, body: BodyBytes) -> Response {
     generate(Endpoint::Chat, state, id, body).await
 }
 
-/// Parses the body with the path of what was wrong in the error.
+/// Parses the body with the path of what was wrong in the error; anything but whitespace after
+/// the JSON value is an error too (a body is one value).
 fn parse_body(body: &[u8]) -> Result<GenerationBody, ApiError> {
     let deserializer = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(deserializer)
-        .map_err(|error| ApiError::malformed(error.path().to_string(), error.inner().to_string()))
+    let parsed: GenerationBody = serde_path_to_error::deserialize(&mut *deserializer)
+        .map_err(|error| ApiError::malformed(error.path().to_string(), error.inner().to_string()))?;
+    deserializer
+        .end()
+        .map_err(|error| ApiError::malformed(String::new(), error.to_string()))?;
+    Ok(parsed)
 }
 
 async fn generate(
     endpoint: Endpoint,
     State(state): State<HttpState>,
     Extension(RequestId(id)): Extension<RequestId>,
-    body: Bytes,
+    body: BodyBytes,
 ) -> Response {
+    let body = match body {
+        Ok(body) => body,
+        Err(rejection) => return ApiError::unreadable_body(&rejection).into_response(),
+    };
     let body = match parse_body(&body) {
         Ok(body) => body,
         Err(error) => return error.into_response(),
@@ -111,6 +125,20 @@ async fn submit_choices(
     drafts: Vec<RequestDraft>,
     per_prompt: usize,
 ) -> Result<Vec<TrackedRequest>, ApiError> {
+    // Every choice waits in the admission queue as a request of its own: more of them than the
+    // queue holds could never all be queued, however idle the server (a 429 would say "retry").
+    let max_queued = state.front.engine.max_queued();
+    if drafts.len() > max_queued {
+        let param = if per_prompt > 1 { "n" } else { "prompt" };
+        return Err(ApiError::bad_request(
+            param,
+            format!(
+                "{param}: {} choices are more than the {max_queued} requests this server queues \
+                 (scheduler.max_queued_requests)",
+                drafts.len()
+            ),
+        ));
+    }
     let submit = |draft| {
         state
             .front

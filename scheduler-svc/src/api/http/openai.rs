@@ -70,6 +70,10 @@ pub struct ContentPart {
     #[serde(rename = "type")]
     pub kind: String,
     pub text: Option<String>,
+    /// Any other field, kept so that the refusal can name it (an untagged enum's own error
+    /// could not): unknown fields are refused here as everywhere else.
+    #[serde(flatten)]
+    pub other: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -135,8 +135,20 @@ fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
             MessageContent::Parts(parts) => {
                 let mut text = String::new();
                 for part in parts {
+                    if let Some(field) = part.other.keys().next() {
+                        return Err(ApiError::bad_request(
+                            "messages",
+                            format!("messages: a content part's field {field:?} is not supported"),
+                        ));
+                    }
                     match (part.kind.as_str(), part.text) {
                         ("text", Some(part_text)) => text.push_str(&part_text),
+                        ("text", None) => {
+                            return Err(ApiError::bad_request(
+                                "messages",
+                                "messages: a content part of type \"text\" needs its \"text\"",
+                            ));
+                        }
                         (kind, _) => {
                             return Err(unsupported("messages", &format!("a content part of type {kind:?}")));
                         }
@@ -265,8 +277,10 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
                 "logprobs: completions take a count of alternatives (0-20)",
             ))
         }
-        (Endpoint::Chat, Some(LogprobsInput::Flag(flag)), top) => (flag, top.unwrap_or(0)),
-        (Endpoint::Chat, None, Some(_)) => {
+        (Endpoint::Chat, Some(LogprobsInput::Flag(true)), top) => (true, top.unwrap_or(0)),
+        (Endpoint::Chat, Some(LogprobsInput::Flag(false)), None) => (false, 0),
+        // As vLLM: alternatives without logprobs is a contradiction, not a request for none.
+        (Endpoint::Chat, None | Some(LogprobsInput::Flag(false)), Some(_)) => {
             return Err(ApiError::bad_request(
                 "top_logprobs",
                 "top_logprobs: needs logprobs: true",

@@ -86,6 +86,23 @@ fn each_endpoint_takes_its_own_shape_and_names_what_it_refuses() {
         p("priority")
     );
     assert!(serde_json::from_value::<GenerationBody>(serde_json::json!({"prompt": "x", "best_of_n": 2})).is_err());
+
+    // Alternatives without logprobs, as vLLM refuses them; content parts without their text or
+    // with fields of their own.
+    let user = |content: serde_json::Value| serde_json::json!([{"role": "user", "content": content}]);
+    for contradiction in [
+        serde_json::json!({"messages": user("x".into()), "top_logprobs": 2}),
+        serde_json::json!({"messages": user("x".into()), "logprobs": false, "top_logprobs": 2}),
+    ] {
+        assert_eq!(refused(Endpoint::Chat, contradiction), p("top_logprobs"));
+    }
+    for part in [
+        serde_json::json!({"type": "text"}),
+        serde_json::json!({"type": "text", "text": "Hi", "cache_control": {}}),
+    ] {
+        let json = serde_json::json!({"messages": user(serde_json::json!([part]))});
+        assert_eq!(refused(Endpoint::Chat, json), p("messages"));
+    }
 }
 
 #[test]
