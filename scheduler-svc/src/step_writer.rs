@@ -112,22 +112,28 @@ fn sampling_row(seq: &Sequence) -> SeqSampling {
 /// shorter).
 fn write_banned_tokens(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Sequence], eos_token_ids: &[u32]) {
     let layout = *buffer.layout();
-    let mut counts = vec![0i64; plan.seqs.len()];
-    let banned = buffer.array_mut(layout.banned_tokens);
-    for (i, s) in plan.seqs.iter().enumerate() {
+    let banned = |s: &ScheduledSeq| {
         let seq = &running[s.running_index];
         let stopping = &seq.request.stopping;
-        if !s.sample || seq.num_generated() >= stopping.min_new_tokens as usize {
-            continue;
-        }
-        let eos = eos_token_ids.iter().filter(|_| !stopping.ignore_eos);
-        let row = &mut banned[i * MAX_BANNED_TOKENS..(i + 1) * MAX_BANNED_TOKENS];
-        for (slot, &token) in row.iter_mut().zip(stopping.stop_token_ids.iter().chain(eos)) {
+        let active = s.sample && seq.num_generated() < stopping.min_new_tokens as usize;
+        let eos = eos_token_ids.iter().filter(move |_| !stopping.ignore_eos);
+        stopping
+            .stop_token_ids
+            .iter()
+            .chain(eos)
+            .filter(move |_| active)
+            .take(MAX_BANNED_TOKENS)
+    };
+    let counts = buffer.array_mut(layout.banned_count);
+    for (count, s) in counts.iter_mut().zip(&plan.seqs) {
+        *count = banned(s).count() as i64;
+    }
+    let tokens = buffer.array_mut(layout.banned_tokens);
+    for (row, s) in tokens.chunks_exact_mut(MAX_BANNED_TOKENS).zip(&plan.seqs) {
+        for (slot, &token) in row.iter_mut().zip(banned(s)) {
             *slot = i64::from(token);
-            counts[i] += 1;
         }
     }
-    buffer.array_mut(layout.banned_count)[..counts.len()].copy_from_slice(&counts);
 }
 
 /// For sequences with penalties that sample this step, their token history (prompt, then
