@@ -102,24 +102,25 @@ pub fn apply_penalties(row: &mut [f32], history: &[i64], prompt_len: usize, pena
 }
 
 /// The race's key for one draw: splitmix64 of a counter mixing the sequence's seed and draw
-/// index. With [`race_bits`] it is the only randomness a draw uses.
-pub fn race_key(seed: i64, draw_index: i64) -> u64 {
-    splitmix64(
+/// index, its halves XORed into 32 bits. With [`race_bits`] it is the only randomness a draw uses.
+pub fn race_key(seed: i64, draw_index: i64) -> u32 {
+    let mixed = splitmix64(
         (seed as u64)
             .wrapping_mul(MIX1)
             .wrapping_add((draw_index as u64).wrapping_mul(GOLDEN)),
-    )
+    );
+    mixed as u32 ^ (mixed >> 32) as u32
 }
 
 /// Token `token`'s 32 random bits in the race keyed `key`: murmur3's 32-bit finalizer of the
-/// token spread by a multiplication and the key's halves XORed in. For one key, distinct tokens
+/// token spread by a multiplication and the key XORed in. For one key, distinct tokens
 /// get distinct bits (each step is a bijection of the 32-bit word). A few integer operations, so
 /// that a row's worth vectorizes (`simd::race_survivors`: two rounds of the finalizer cost a
 /// sampled row of SmolLM2's vocabulary ~20 µs more, on a 2-vCPU Xeon); the worker's libtorch
 /// sampler computes the same bits as tensors (`worker/src/sampler.rs`).
 #[inline(always)]
-pub fn race_bits(key: u64, token: u32) -> u32 {
-    fmix32((key as u32 ^ (key >> 32) as u32) ^ token.wrapping_mul(RACE_TOKEN_MIX))
+pub fn race_bits(key: u32, token: u32) -> u32 {
+    fmix32(key ^ token.wrapping_mul(RACE_TOKEN_MIX))
 }
 
 /// Odd, so that multiplying by it is a bijection of the 32-bit tokens (2³² / φ).
@@ -213,7 +214,7 @@ pub fn draw(row: &[f32], params: &DrawParams, weights: &mut Vec<f32>) -> usize {
 /// a token with `w_t ≤ v_t · b` cannot beat it, and a vectorized pass over each chunk of the
 /// row rules those out with `v_t` cut to 24 bits (smaller still) and `b` lowered by a margin
 /// that covers the pass's f32 rounding. Only the tokens left are scored exactly, in f64.
-fn race(weights: &[f32], heaviest: usize, key: u64) -> usize {
+fn race(weights: &[f32], heaviest: usize, key: u32) -> usize {
     let score = |token: usize| f64::from(weights[token]) / race_exponential(race_bits(key, token as u32));
     let mut winner = (heaviest, score(heaviest));
     let bound = (winner.1 as f32) * (1.0 - 1e-4);

@@ -237,7 +237,7 @@ unsafe fn dot_avx2(a: *const f32, b: *const f32, len: usize) -> f32 {
 /// with `v_i` its race bits' top 24 bits over 2²⁴ (exact in f32), else 0; returns how many are 1.
 /// Plain integer and f32 arithmetic that the compiler vectorizes, compiled for AVX2 where the CPU
 /// has it (its 32-bit multiplies are one instruction; SSE2's are several).
-pub fn race_survivors(key: u64, first: u32, weights: &[f32], bound: f32, flags: &mut [u8]) -> usize {
+pub fn race_survivors(key: u32, first: u32, weights: &[f32], bound: f32, flags: &mut [u8]) -> usize {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: AVX2 present; the body is safe code.
@@ -248,12 +248,12 @@ pub fn race_survivors(key: u64, first: u32, weights: &[f32], bound: f32, flags: 
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn race_survivors_avx2(key: u64, first: u32, weights: &[f32], bound: f32, flags: &mut [u8]) -> usize {
+unsafe fn race_survivors_avx2(key: u32, first: u32, weights: &[f32], bound: f32, flags: &mut [u8]) -> usize {
     race_survivors_plain(key, first, weights, bound, flags)
 }
 
 #[inline(always)]
-fn race_survivors_plain(key: u64, first: u32, weights: &[f32], bound: f32, flags: &mut [u8]) -> usize {
+fn race_survivors_plain(key: u32, first: u32, weights: &[f32], bound: f32, flags: &mut [u8]) -> usize {
     let flags = &mut flags[..weights.len()];
     for (i, (&weight, flag)) in weights.iter().zip(flags.iter_mut()).enumerate() {
         let bits = crate::sampling::race_bits(key, first.wrapping_add(i as u32));

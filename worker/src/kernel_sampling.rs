@@ -183,15 +183,7 @@ mod tests {
             tokens: Tensor::from_slice(&tokens).to_device(device),
             generated: Tensor::from_slice(&generated).to_device(device),
         });
-        let (mut banned_rows, mut banned_tokens) = (Vec::new(), Vec::new());
-        for (row, request) in requests.iter().enumerate() {
-            banned_rows.extend(std::iter::repeat_n(row as i64, request.banned.len()));
-            banned_tokens.extend_from_slice(request.banned);
-        }
-        let banned = (!banned_tokens.is_empty()).then(|| BannedTokens {
-            rows: Tensor::from_slice(&banned_rows).to_device(device),
-            tokens: Tensor::from_slice(&banned_tokens).to_device(device),
-        });
+        let banned = BannedTokens::from_lists(requests.iter().map(|r| r.banned), device).expect("banned");
         let batch = SamplingBatch::from_rows(&rows, history, banned, device).expect("batch");
         let logits = Tensor::from_slice(logits)
             .view([requests.len() as i64, vocab as i64])

@@ -35,6 +35,27 @@ pub struct BannedTokens {
     pub tokens: Tensor,
 }
 
+impl BannedTokens {
+    /// From each row's list of banned ids, in row order, on `device`; `None` if all are empty.
+    pub fn from_lists<'a>(
+        lists: impl IntoIterator<Item = &'a [i64]>,
+        device: Device,
+    ) -> Result<Option<Self>, tch::TchError> {
+        let (mut rows, mut tokens) = (Vec::new(), Vec::new());
+        for (row, list) in lists.into_iter().enumerate() {
+            rows.extend(std::iter::repeat_n(row as i64, list.len()));
+            tokens.extend_from_slice(list);
+        }
+        if tokens.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            rows: Tensor::f_from_slice(&rows)?.f_to_device(device)?,
+            tokens: Tensor::f_from_slice(&tokens)?.f_to_device(device)?,
+        }))
+    }
+}
+
 /// Per-row sampling parameters, `[rows]` each, on the logits' device.
 pub struct SamplingBatch {
     pub temperature: Tensor,
@@ -44,8 +65,7 @@ pub struct SamplingBatch {
     pub repetition_penalty: Tensor,
     pub frequency_penalty: Tensor,
     pub presence_penalty: Tensor,
-    /// `[rows]` i64: each row's race key folded to 32 bits (the halves of
-    /// [`race_key`] XORed, as `race_bits` folds them).
+    /// `[rows]` i64: each row's [`race_key`] (32 bits).
     pub race_key: Tensor,
     pub history: Option<PenaltyHistory>,
     pub banned: Option<BannedTokens>,
@@ -69,10 +89,7 @@ impl SamplingBatch {
     ) -> Result<Self, tch::TchError> {
         let race_keys: Vec<i64> = rows
             .iter()
-            .map(|row| {
-                let key = race_key(row.seed, row.draw_index);
-                i64::from(key as u32 ^ (key >> 32) as u32)
-            })
+            .map(|row| i64::from(race_key(row.seed, row.draw_index)))
             .collect();
         Ok(Self {
             any_random: rows.iter().any(|row| row.temperature > 0.0),

@@ -241,20 +241,10 @@ pub fn sampling_batch(
             generated: Tensor::f_from_slice(&generated)?.f_to_device(device)?,
         })
     };
-    let (mut banned_rows, mut banned_tokens) = (Vec::new(), Vec::new());
-    for (row, &seq) in host.sampled_seqs.iter().enumerate() {
-        let banned = banned_row(buffer, seq as usize);
-        banned_rows.extend(std::iter::repeat_n(row as i64, banned.len()));
-        banned_tokens.extend_from_slice(banned);
-    }
-    let banned = if banned_tokens.is_empty() {
-        None
-    } else {
-        Some(BannedTokens {
-            rows: Tensor::f_from_slice(&banned_rows)?.f_to_device(device)?,
-            tokens: Tensor::f_from_slice(&banned_tokens)?.f_to_device(device)?,
-        })
-    };
+    let banned = BannedTokens::from_lists(
+        host.sampled_seqs.iter().map(|&seq| banned_row(buffer, seq as usize)),
+        device,
+    )?;
     Ok(SamplingBatch::from_rows(&rows, history, banned, device)?)
 }
 
