@@ -10,13 +10,13 @@
 //! - [`scheduler`]: planning each iteration (continuous batching, chunked prefill, preemption).
 //! - [`block_manager`]: paged KV block accounting.
 //! - [`completion`]: every way a sequence ends, decided in one place as one typed outcome.
-//! - `rivulet_text` ([`detokenizer`], [`tokenizer`], [`chat_template`]): text in and out.
+//! - `rivulet_text` ([`detokenizer`], [`tokenizer`], [`chat_template`], [`token_piece`]): text in and out.
 //! - [`worker_client`], [`step_writer`]: a worker process and its shared-memory step buffer;
 //!   [`worker_protocol`]: refusing a worker binary of another protocol version.
 
 pub mod api;
 // The text side lives in its own crate (the benchmark uses it without the server).
-pub use rivulet_text::{chat_template, detokenizer, tokenizer};
+pub use rivulet_text::{chat_template, detokenizer, token_piece, tokenizer};
 pub mod block_manager;
 pub mod completion;
 pub mod config;

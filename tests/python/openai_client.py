@@ -105,6 +105,18 @@ for chunk in stream:
 check(ids == expected["grpc_token_ids"] and text == choice.text, f"streamed {ids} / {text!r}")
 check(reasons[-1] == "length" and all(r is None for r in reasons[:-1]), f"finish reasons {reasons}")
 check(usage is not None and usage.completion_tokens == max_tokens, f"usage chunk {usage}")
+# As OpenAI sends them: every chunk before the usage chunk says `"usage": null`.
+request = urllib.request.Request(
+    base_url + "/v1/completions",
+    data=json.dumps({"prompt": prompt, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}).encode(),
+    headers={"content-type": "application/json", "authorization": f"Bearer {api_key}"},
+)
+with urllib.request.urlopen(request) as response:
+    events = [json.loads(line[6:]) for line in response.read().decode().splitlines() if line.startswith("data: {")]
+check(
+    all("usage" in event for event in events) and [event["usage"] is None for event in events[:-1]] == [True] * (len(events) - 1),
+    f"usage null before the last chunk: {events}",
+)
 print("completions: whole and streamed match gRPC")
 
 # --- logprobs in the completions shape
@@ -113,6 +125,20 @@ lp = with_logprobs.choices[0].logprobs
 check(len(lp.tokens) == max_tokens and len(lp.token_logprobs) == max_tokens, str(lp))
 check(all(len(top) >= 1 for top in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs), str(lp))
 check(lp.text_offset == sorted(lp.text_offset), "text offsets ascend")
+# Characters split across tokens: each token shows as `\ufffd`, but the offsets count the text's
+# own characters (whole tokens sit where their offsets say), and chat's `bytes` join into the text.
+split = dict(greedy, max_tokens=16)
+japanese = "English: hello. Japanese: こんにちは. English: thank you. Japanese:"
+kana = client.completions.create(model=model, prompt=japanese, logprobs=1, **split).choices[0]
+placed = [(o, t) for o, t in zip(kana.logprobs.text_offset, kana.logprobs.tokens) if "\ufffd" not in t]
+check(len(placed) < len(kana.logprobs.tokens), f"no character split across tokens: {kana.logprobs.tokens}")
+check(all(kana.text[o : o + len(t)] == t for o, t in placed), f"offsets {kana.logprobs.text_offset} of {kana.text!r}")
+kana_chat = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Write the word 'hello' in Japanese."}], logprobs=True, **split
+).choices[0]
+joined = b"".join(bytes(token.bytes) for token in kana_chat.logprobs.content)
+check(joined.decode("utf-8", errors="replace") == kana_chat.message.content, f"bytes {joined!r}")
+check(any("\ufffd" in token.token for token in kana_chat.logprobs.content), "a split character in chat")
 
 # --- the confidence stop (Rivulet's extra): ends right after the first token less likely than the
 # threshold, finish_reason "stop" with vLLM's stop_reason saying which stop

@@ -160,6 +160,13 @@ impl ModelTokenizer {
             .decode(ids, true)
             .map_err(|e| TokenizerError::Encode(e.to_string()))
     }
+
+    /// Text of `ids` with control tokens written out (`<|im_end|>`), for listings of tokens.
+    pub fn decode_with_special(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))
+    }
 }
 
 fn pre_tokenizer(pre: &str) -> Value {

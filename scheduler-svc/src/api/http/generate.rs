@@ -28,6 +28,7 @@ use super::{unix_seconds, HttpState, RequestId};
 use crate::api::tracking::{openai_finish_reason, TrackedRequest};
 use crate::api::validation::RequestDraft;
 use crate::request::{FinishReason, SequenceEvent, TokenLogprob, Usage};
+use crate::token_piece::{CharOffsets, TokenPiece};
 use crate::tokenizer::ModelTokenizer;
 
 /// The body as bytes or axum's reason not (a body over its limit, say): answered in OpenAI's
@@ -103,7 +104,7 @@ async fn generate(
             tokenizer: state.front.validator.tokenizer.clone(),
             return_token_ids,
             wants_logprobs,
-            text_offset: 0,
+            offsets: CharOffsets::default(),
         })
         .collect();
     let usage = UsageTotals::new(per_prompt);
@@ -180,7 +181,7 @@ struct ResponseShape {
 }
 
 impl ResponseShape {
-    fn body(&self, object: &'static str, choices: Vec<Choice>, usage: Option<UsageBody>) -> ResponseBody {
+    fn body(&self, object: &'static str, choices: Vec<Choice>, usage: Option<Option<UsageBody>>) -> ResponseBody {
         ResponseBody {
             id: self.id.clone(),
             object,
@@ -239,7 +240,7 @@ async fn whole_response(
         }
     }
     let object = response.endpoint.object(false);
-    Json(response.body(object, choices, Some(usage_body(usage.total)))).into_response()
+    Json(response.body(object, choices, Some(Some(usage_body(usage.total))))).into_response()
 }
 
 fn stream_response(
@@ -250,6 +251,8 @@ fn stream_response(
     include_usage: bool,
 ) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
     let object = response.endpoint.object(true);
+    // OpenAI's chunks carry `"usage": null` before the last one when the usage was asked for.
+    let chunk_usage = move || include_usage.then_some(None);
     let openings: Vec<_> = match response.endpoint {
         Endpoint::Chat => builders
             .iter()
@@ -262,7 +265,7 @@ fn stream_response(
                     }),
                     ..empty_choice()
                 };
-                json_event(&response.body(object, vec![choice], None))
+                json_event(&response.body(object, vec![choice], chunk_usage()))
             })
             .collect(),
         Endpoint::Completions => Vec::new(),
@@ -291,7 +294,7 @@ fn stream_response(
                 } => {
                     if !text.is_empty() || !token_ids.is_empty() {
                         let choice = builder.choice(text, token_ids, &logprobs, None, true);
-                        out.push(json_event(&response.body(object, vec![choice], None)));
+                        out.push(json_event(&response.body(object, vec![choice], chunk_usage())));
                     }
                 }
                 SequenceEvent::Finished {
@@ -303,14 +306,14 @@ fn stream_response(
                     ..
                 } => {
                     let choice = builder.choice(text, token_ids, &logprobs, Some(reason), true);
-                    out.push(json_event(&response.body(object, vec![choice], None)));
+                    out.push(json_event(&response.body(object, vec![choice], chunk_usage())));
                     usage.add(index, choice_usage);
                     unfinished -= 1;
                     if include_usage && unfinished == 0 {
                         out.push(json_event(&response.body(
                             object,
                             Vec::new(),
-                            Some(usage_body(usage.total)),
+                            Some(Some(usage_body(usage.total))),
                         )));
                     }
                 }
@@ -361,8 +364,8 @@ struct ChoiceBuilder {
     tokenizer: Arc<ModelTokenizer>,
     return_token_ids: bool,
     wants_logprobs: bool,
-    /// Characters of text sent so far (completions' `text_offset`).
-    text_offset: usize,
+    /// Characters of the choice's text before each listed token (completions' `text_offset`).
+    offsets: CharOffsets,
 }
 
 impl ChoiceBuilder {
@@ -379,7 +382,6 @@ impl ChoiceBuilder {
         // `stop_reason` field (vLLM's name; Rivulet fills it only for this) says which stop.
         let stop_reason = finish.and_then(|reason| (reason == FinishReason::LowConfidence).then_some("low_confidence"));
         let logprobs = self.wants_logprobs.then(|| self.logprobs(logprobs));
-        self.text_offset += text.chars().count();
         let token_ids = self.return_token_ids.then_some(token_ids);
         match self.endpoint {
             Endpoint::Completions => Choice {
@@ -415,24 +417,23 @@ impl ChoiceBuilder {
         }
     }
 
-    fn token_text(&self, id: u32) -> String {
-        self.tokenizer.decode(&[id]).unwrap_or_default()
+    fn piece(&self, id: u32) -> TokenPiece {
+        TokenPiece::of(&self.tokenizer, id)
     }
 
-    fn logprobs(&self, logprobs: &[TokenLogprob]) -> serde_json::Value {
+    fn logprobs(&mut self, logprobs: &[TokenLogprob]) -> serde_json::Value {
         let value = match self.endpoint {
             Endpoint::Completions => {
                 let mut out = CompletionLogprobs::default();
-                let mut offset = self.text_offset;
                 for lp in logprobs {
-                    let token = self.token_text(lp.token_id);
+                    let piece = self.piece(lp.token_id);
                     let mut top = serde_json::Map::new();
                     for &(id, logprob) in &lp.top {
-                        top.insert(self.token_text(id), serde_json::json!(logprob));
+                        top.insert(self.piece(id).text, serde_json::json!(logprob));
                     }
-                    out.text_offset.push(offset);
-                    offset += token.chars().count();
-                    out.tokens.push(token);
+                    out.text_offset.push(self.offsets.offset());
+                    self.offsets.push(&piece.text_bytes);
+                    out.tokens.push(piece.text);
                     out.token_logprobs.push(lp.logprob);
                     out.top_logprobs.push(top);
                 }
@@ -442,19 +443,19 @@ impl ChoiceBuilder {
                 let content = logprobs
                     .iter()
                     .map(|lp| {
-                        let token = self.token_text(lp.token_id);
+                        let piece = self.piece(lp.token_id);
                         ChatTokenLogprob {
-                            bytes: token.as_bytes().to_vec(),
-                            token,
+                            bytes: piece.bytes,
+                            token: piece.text,
                             logprob: lp.logprob,
                             top_logprobs: lp
                                 .top
                                 .iter()
                                 .map(|&(id, logprob)| {
-                                    let token = self.token_text(id);
+                                    let piece = self.piece(id);
                                     ChatTopLogprob {
-                                        bytes: token.as_bytes().to_vec(),
-                                        token,
+                                        bytes: piece.bytes,
+                                        token: piece.text,
                                         logprob,
                                     }
                                 })

@@ -226,8 +226,10 @@ pub struct ResponseBody {
     pub created: u64,
     pub model: String,
     pub choices: Vec<Choice>,
+    /// Left out where the response has no usage; `null` in every chunk but the last of a stream
+    /// asked for its usage (`stream_options.include_usage`), as OpenAI sends them.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<UsageBody>,
+    pub usage: Option<Option<UsageBody>>,
 }
 
 #[derive(Debug, Serialize)]
