@@ -23,8 +23,7 @@ pub struct TokenPiece {
 
 impl TokenPiece {
     pub fn of(tokenizer: &ModelTokenizer, id: u32) -> Self {
-        let pieces = tokenizer.byte_pieces();
-        let text_bytes = match pieces {
+        let text_bytes = match tokenizer.byte_pieces() {
             Some(pieces) => pieces.get(id).to_vec(),
             None => tokenizer.decode(&[id]).unwrap_or_default().into_bytes(),
         };
@@ -37,13 +36,9 @@ impl TokenPiece {
                 text_bytes,
             };
         }
-        let text = match pieces {
-            Some(_) => String::from_utf8_lossy(&text_bytes).into_owned(),
-            None => String::from_utf8(text_bytes.clone()).unwrap_or_default(),
-        };
         Self {
+            text: String::from_utf8_lossy(&text_bytes).into_owned(),
             bytes: text_bytes.clone(),
-            text,
             text_bytes,
         }
     }
