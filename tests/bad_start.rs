@@ -1,7 +1,7 @@
 //! A server that cannot serve says so at once: a truncated model file, a model of an architecture
-//! the worker cannot run, a missing worker binary or one of another protocol version — each stops
-//! the start with a message naming the problem and a non-zero exit code, instead of a server that
-//! never becomes ready.
+//! the worker cannot run, a missing worker binary or one of another protocol version, a KV cache
+//! budget too small for one sequence — each stops the start with a message naming the problem and
+//! a non-zero exit code, instead of a server that never becomes ready.
 
 mod common;
 
@@ -121,6 +121,19 @@ fn a_model_or_worker_that_cannot_serve_stops_the_start_with_the_problem_named() 
     assert_ne!(code, 0);
     assert!(
         stderr.contains("did not tell its protocol version") && stderr.contains("unexpected argument"),
+        "{stderr}"
+    );
+
+    // A KV budget of fixed bytes too small for one sequence of the context: the worker can only
+    // tell once it knows its bytes per block, but no restart could help, so the server stops too
+    // (and its worker with it), the key named.
+    let (code, stderr) = failed_start(&[
+        ("RIVULET_MODEL__PATH", &model.display().to_string()),
+        ("RIVULET_WORKER__KV_CACHE_MEMORY", "1000000"),
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        stderr.contains("worker.kv_cache_memory: ") && stderr.contains("fewer than"),
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(truncated.parent().expect("dir"));

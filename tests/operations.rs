@@ -154,10 +154,7 @@ async fn health_key_request_ids_and_the_openai_front() {
     let stats = server.stats().await;
     assert_ne!(stats.replicas[0].pid, worker);
     assert_eq!(stats.replicas[0].restarts, 1);
-    let mut stream = TcpStream::connect(&server.http_address).expect("connect");
-    write!(stream, "GET /metrics HTTP/1.0\r\n\r\n").expect("send");
-    let mut metrics = String::new();
-    stream.read_to_string(&mut metrics).expect("read");
+    let metrics = common::metrics_text(&server.http_address);
     assert!(
         metrics
             .lines()

@@ -372,7 +372,8 @@ async fn the_queue_can_be_listed_and_cleared_while_a_request_runs() {
         .requests
         .iter()
         .all(|r| r.prompt_tokens > 0 && r.waiting_seconds >= 0.0));
-    assert!(queue.recommended_max_sequence_length > 0 && queue.recommended_max_sequence_length <= 2048);
+    // The one sequence a step may hold is running, and THROUGHPUT_FIRST admits only into room.
+    assert_eq!(queue.recommended_max_sequence_length, 0, "nothing can be admitted now");
 
     let cleared = admin
         .clear_queue(rivulet::proto::ClearQueueRequest {})
@@ -384,7 +385,23 @@ async fn the_queue_can_be_listed_and_cleared_while_a_request_runs() {
         let status = call.await.expect("task").expect_err("cleared");
         assert_eq!(status.code(), tonic::Code::Aborted, "{status:?}");
     }
+    // An operator's clearing is counted as vLLM counts cancelled requests, not as errors.
+    let metrics = common::metrics_text(&server.http_address);
+    let finished = |reason: &str| {
+        metrics
+            .lines()
+            .find(|line| line.starts_with("rivulet:request_success_total") && line.contains(reason))
+            .and_then(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert_eq!((finished("\"abort\""), finished("\"error\"")), (3.0, 0.0), "{metrics}");
     let done = running.await.expect("task").expect("the running request is untouched");
     assert_eq!(done.into_inner().token_ids.len(), RUNNING_TOKENS);
     common::assert_no_blocks_held(&server).await;
+    let idle = admin
+        .get_queue(rivulet::proto::GetQueueRequest {})
+        .await
+        .expect("get queue")
+        .into_inner();
+    assert!(idle.recommended_max_sequence_length > 0 && idle.recommended_max_sequence_length <= 2048);
 }

@@ -81,6 +81,19 @@ async fn a_stop_string_spanning_tokens_ends_the_output_and_is_trimmed() {
     assert_eq!(streamed, unary.text, "streaming and unary agree");
     assert!(unary.token_ids.len() < 48);
 
+    // The token that completes the stop string is the last one allowed: the stop still names the
+    // finish (as vLLM's), since the text is trimmed at it.
+    let at_limit = StoppingCriteria {
+        max_new_tokens: Some(unary.token_ids.len() as u32),
+        ..stopping.clone()
+    };
+    let (limited, streamed, reason) = unary_and_streamed(with_stopping(PROMPT, at_limit)).await;
+    assert_eq!(
+        (limited.finish_reason(), reason),
+        (FinishReason::StopString, FinishReason::StopString)
+    );
+    assert_eq!((limited.text.as_str(), streamed.as_str()), (&full[..cut], &full[..cut]));
+
     let keep = StoppingCriteria {
         include_stop_str_in_output: true,
         ..stopping

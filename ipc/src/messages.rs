@@ -33,8 +33,14 @@ pub enum WorkerEvent {
     StepBufferAttached,
     /// Iteration `step` finished; its outputs are in the step buffer.
     StepDone { step: u64, forward_micros: u64 },
-    /// The worker could not carry out a command. `fatal` means it is exiting.
-    Failed { message: String, fatal: bool },
+    /// The worker could not carry out a command. `fatal` means it is exiting. `setting` names the
+    /// configuration key whose value it cannot work with (`worker.kv_cache_memory`): another
+    /// worker given the same settings would fail the same way, so restarting cannot help.
+    Failed {
+        message: String,
+        fatal: bool,
+        setting: Option<String>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

@@ -82,6 +82,13 @@ impl StepBuffer {
         self.shmem.get_os_id()
     }
 
+    /// Makes dropping this mapping remove the segment's name too, as its creator's drop does: for
+    /// a peer that outlives the creator (a worker whose scheduler was killed), so that no segment
+    /// is left in `/dev/shm` with nobody to remove it.
+    pub fn remove_when_dropped(&mut self) {
+        self.shmem.set_owner(true);
+    }
+
     pub fn layout(&self) -> &StepLayout {
         &self.layout
     }

@@ -149,7 +149,7 @@ pub enum SequenceEvent {
 /// Why the engine could not serve a request.
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum EngineError {
-    #[error("the model worker failed: {0}")]
+    #[error("no model worker can serve the request: {0}")]
     WorkerUnavailable(String),
     #[error("the server is shutting down")]
     ShuttingDown,

@@ -80,6 +80,12 @@ impl Scheduler {
         }
     }
 
+    /// Whether the policy would admit a new sequence beside `running` resident ones (given the
+    /// blocks): THROUGHPUT_FIRST admits only while a step has room for one more sequence.
+    pub fn admits_new_sequences(&self, running: usize) -> bool {
+        self.policy != SchedulingPolicy::ThroughputFirst || running < self.limits.max_num_seqs
+    }
+
     /// Plans the next step, allocating the blocks it needs. Admitted sequences move from
     /// `waiting` to the end of `running`, preempted ones from `running` to `waiting`.
     pub fn plan(
@@ -162,7 +168,18 @@ impl Scheduler {
                 } else {
                     self.round_robin % ring.len()
                 };
-                ring[start..].iter().chain(&ring[..start]).copied().collect()
+                // The rotation decides where the waiting take their turn, never their order among
+                // themselves: admission stays first come, first served (a later, smaller request
+                // does not pass one waiting for blocks).
+                let mut in_queue_order = waiting.iter().map(|s| Candidate::Waiting(s.id));
+                ring[start..]
+                    .iter()
+                    .chain(&ring[..start])
+                    .map(|&candidate| match candidate {
+                        Candidate::Waiting(_) => in_queue_order.next().unwrap_or(candidate),
+                        resident => resident,
+                    })
+                    .collect()
             }
             SchedulingPolicy::LatencyFirst => {
                 // (is decode, priority descending, youngest first)

@@ -154,6 +154,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let http = axum::serve(http_listener, http::router(http_state))
         .with_graceful_shutdown(shutdown.clone().cancelled_owned())
         .into_future();
+    let refused_setting = engine.refused_setting.clone();
     drop(engine);
     // One listener failing stops the others; after shutdown began, connections that never end
     // (a health `Watch`, a stalled stream) are cut once the drain time is over.
@@ -187,18 +188,39 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     tokio::task::spawn_blocking(move || engine_thread.join())
         .await?
         .map_err(|_| anyhow::anyhow!("engine thread panicked"))?;
+    // The configuration cannot serve: exit as an invalid value at start does, the key named.
+    if let Some(refused) = refused_setting.borrow().clone() {
+        anyhow::bail!("{refused}");
+    }
     Ok(())
 }
 
 /// Probes see NOT_SERVING at once; the engine refuses new work and bounds the drain; the
-/// listeners stop accepting and finish their open calls.
+/// listeners stop accepting and finish their open calls. Also when a spawned worker refused a
+/// setting (nothing to wait for then), and when a listener failed (the handle must go, or the
+/// engine would wait for it).
 async fn shut_down_on_signal(
     shutdown: CancellationToken,
     engine: EngineHandle,
     health: HealthReporter,
     timeout: Duration,
 ) {
-    shutdown_signal().await;
+    let mut refused = engine.refused_setting.clone();
+    let refusal = async move {
+        refused
+            .wait_for(Option::is_some)
+            .await
+            .ok()
+            .and_then(|error| error.clone())
+    };
+    let timeout = tokio::select! {
+        () = shutdown_signal() => timeout,
+        Some(error) = refusal => {
+            tracing::error!(%error, "a worker refused a setting; stopping");
+            Duration::ZERO
+        }
+        () = shutdown.cancelled() => timeout,
+    };
     set_health(&health, false).await;
     engine.begin_drain(timeout);
     drop(engine);

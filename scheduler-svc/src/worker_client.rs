@@ -45,6 +45,9 @@ pub enum WorkerClientError {
     Timeout(Duration),
     #[error("worker reported: {0}")]
     Failed(String),
+    /// The worker cannot work with a setting's value: no restart can help.
+    #[error("{key}: {message}")]
+    RefusedSetting { key: String, message: String },
     #[error("worker sent an unexpected message: {0}")]
     Protocol(String),
     #[error("step buffer: {0}")]
@@ -449,6 +452,11 @@ fn recv_event(
 /// A start-up answer other than the expected one: the worker's own failure, or a protocol error.
 fn startup_failure(process: &mut WorkerProcess, event: WorkerEvent) -> WorkerClientError {
     let error = match event {
+        WorkerEvent::Failed {
+            message,
+            setting: Some(key),
+            ..
+        } => WorkerClientError::RefusedSetting { key, message },
         WorkerEvent::Failed { message, .. } => WorkerClientError::Failed(message),
         other => WorkerClientError::Protocol(format!("{other:?}")),
     };

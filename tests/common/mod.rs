@@ -301,6 +301,16 @@ pub fn shm_segments() -> std::collections::BTreeSet<String> {
         .unwrap_or_default()
 }
 
+/// The server's `/metrics` text (plain HTTP/1.0 over a socket).
+pub fn metrics_text(http_address: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(http_address).expect("connect http");
+    write!(stream, "GET /metrics HTTP/1.0\r\n\r\n").expect("send");
+    let mut metrics = String::new();
+    stream.read_to_string(&mut metrics).expect("read");
+    metrics
+}
+
 /// Sends `signal` (e.g. "KILL", "STOP") to process `pid`.
 pub fn signal(pid: u32, signal: &str) {
     let status = Command::new("kill")

@@ -16,6 +16,9 @@ pub enum WorkerError {
     InvalidStep(String),
     #[error("KV cache: {0}")]
     KvCache(String),
+    /// The KV cache budget cannot hold one sequence of the context's length.
+    #[error("KV cache: {0}")]
+    KvBudgetTooSmall(String),
     #[error("device `{0}` is not available: {1}")]
     Device(String, String),
     #[error("IPC: {0}")]

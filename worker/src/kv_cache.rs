@@ -39,7 +39,7 @@ pub fn blocks_in_budget(
     let num_blocks = memory_bytes / per_block;
     let needed = max_model_len.div_ceil(block_size);
     if num_blocks < needed {
-        return Err(WorkerError::KvCache(format!(
+        return Err(WorkerError::KvBudgetTooSmall(format!(
             "kv_cache_memory of {memory_bytes} bytes gives {num_blocks} blocks of {block_size} tokens \
              ({per_block} bytes each), fewer than the {needed} one {max_model_len}-token sequence needs"
         )));

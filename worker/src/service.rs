@@ -412,6 +412,7 @@ pub fn serve(options: &WorkerOptions, server_name: &str) -> Result<(), WorkerErr
         .map_err(|e| WorkerError::Ipc(e.to_string()))?;
 
     let started = Instant::now();
+    let budget = options.kv_cache_memory;
     let mut report = |progress| {
         // Progress is for show: a full channel or a gone scheduler shows up at `Ready`.
         let _ = events.send(WorkerEvent::LoadProgress(progress));
@@ -422,6 +423,7 @@ pub fn serve(options: &WorkerOptions, server_name: &str) -> Result<(), WorkerErr
             let _ = events.send(WorkerEvent::Failed {
                 message: error.to_string(),
                 fatal: true,
+                setting: refused_setting(&error, budget).map(str::to_owned),
             });
             return Err(error);
         }
@@ -431,18 +433,51 @@ pub fn serve(options: &WorkerOptions, server_name: &str) -> Result<(), WorkerErr
     command_loop(&mut worker, &commands, &events)
 }
 
+/// The configuration key a load failure is about, where no other worker given the same settings
+/// could do better: a budget of fixed bytes too small for one sequence of the context. (A share of
+/// free memory can fit later, and a device can come back: those stay ordinary failures.)
+fn refused_setting(error: &WorkerError, budget: KvBudget) -> Option<&'static str> {
+    match (error, budget) {
+        (WorkerError::KvBudgetTooSmall(_), KvBudget::Bytes(_)) => Some("worker.kv_cache_memory"),
+        _ => None,
+    }
+}
+
+/// Serves commands until the scheduler says `Shutdown` or goes away. Gone without a word (killed,
+/// say), it cannot remove the step buffer it created: the worker removes it on its way out.
 fn command_loop(
     worker: &mut Worker,
     commands: &IpcReceiver<WorkerCommand>,
     events: &IpcSender<WorkerEvent>,
 ) -> Result<(), WorkerError> {
+    let served = serve_commands(worker, commands, events);
+    if !matches!(served, Ok(Ending::Shutdown)) {
+        if let Some(mut buffer) = worker.step_buffer.take() {
+            buffer.remove_when_dropped();
+        }
+    }
+    served.map(|_| ())
+}
+
+/// How [`serve_commands`] ended without an error.
+enum Ending {
+    /// The scheduler asked: it removes the step buffer itself.
+    Shutdown,
+    SchedulerGone,
+}
+
+fn serve_commands(
+    worker: &mut Worker,
+    commands: &IpcReceiver<WorkerCommand>,
+    events: &IpcSender<WorkerEvent>,
+) -> Result<Ending, WorkerError> {
     loop {
         let command = match commands.recv() {
             Ok(command) => command,
             // The scheduler is gone: nothing left to serve.
             Err(error) => {
                 tracing::info!(%error, "command channel closed; exiting");
-                return Ok(());
+                return Ok(Ending::SchedulerGone);
             }
         };
         match command {
@@ -453,6 +488,7 @@ fn command_loop(
                     WorkerEvent::Failed {
                         message: error.to_string(),
                         fatal: false,
+                        setting: None,
                     },
                 )?,
             },
@@ -471,12 +507,13 @@ fn command_loop(
                         WorkerEvent::Failed {
                             message: error.to_string(),
                             fatal: false,
+                            setting: None,
                         }
                     }
                 };
                 send(events, event)?;
             }
-            WorkerCommand::Shutdown => return Ok(()),
+            WorkerCommand::Shutdown => return Ok(Ending::Shutdown),
         }
     }
 }

@@ -12,7 +12,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::{Stream, StreamExt};
 
 use crate::metrics::Metrics;
-use crate::request::{EngineError, FinishReason, SequenceEvent, TokenLogprob, Usage};
+use crate::request::{EngineError, ErrorKind, FinishReason, SequenceEvent, TokenLogprob, Usage};
 
 /// OpenAI's (and vLLM's metrics') word for a finish reason.
 pub fn openai_finish_reason(reason: FinishReason) -> &'static str {
@@ -166,6 +166,12 @@ impl TrackedRequest {
                     metrics.request_time_per_output_token.observe(per_token.as_secs_f64());
                 }
                 self.finish(openai_finish_reason(*reason));
+            }
+            // An operator's ending (ClearQueue) is an abort, as vLLM counts a cancelled request,
+            // so that dashboards do not read it as the server failing.
+            SequenceEvent::Failed(error) if error.kind() == ErrorKind::Aborted => {
+                tracing::info!(request_id = %self.id, %error, "request aborted");
+                self.finish("abort");
             }
             SequenceEvent::Failed(error) => {
                 tracing::warn!(request_id = %self.id, %error, "request failed");

@@ -5,7 +5,9 @@
 //! 2. the newest token ([`token`]): max tokens → EOS / stop token ids → the model's context →
 //!    confidence;
 //! 3. the text ([`text`]): stop strings (matched across tokens, trimmed unless asked to keep
-//!    them) → the character limit;
+//!    them) → the character limit; a stop string the newest token completed outranks max tokens
+//!    and the context running out on that same token (the output is trimmed at it, and vLLM
+//!    reports it so too);
 //! 4. a token that cannot be detokenized fails the request ([`Outcome::Failed`]).
 
 mod text;
@@ -64,11 +66,15 @@ pub fn after_token(seq: &mut Sequence, logprob: f32, limits: &Limits<'_>, tokeni
             text.push_str(&seq.output.finish());
             Outcome::Finished(reason, text)
         }
-        // A token reason outranks what the same token's text did.
+        // A stop string the token's text completed names the finish over the budget running out
+        // on the same token (max tokens, the context), as vLLM's does: the text is trimmed at it.
+        (TextProgress::StopString(text), Some(FinishReason::MaxTokens | FinishReason::Length) | None) => {
+            Outcome::Finished(FinishReason::StopString, text)
+        }
+        // Otherwise a token reason outranks what the same token's text did.
         (TextProgress::StopString(text) | TextProgress::CharLimit(text), Some(reason)) => {
             Outcome::Finished(reason, text)
         }
-        (TextProgress::StopString(text), None) => Outcome::Finished(FinishReason::StopString, text),
         (TextProgress::CharLimit(text), None) => Outcome::Finished(FinishReason::Length, text),
     }
 }

@@ -78,6 +78,9 @@ pub struct EngineHandle {
     pub limits: Arc<ModelLimits>,
     /// True while some replica is ready to serve and the server is not shutting down.
     pub serving: watch::Receiver<bool>,
+    /// Set when a spawned worker refused a setting's value (the key and why): the server cannot
+    /// serve with its configuration and stops.
+    pub refused_setting: watch::Receiver<Option<String>>,
     pub(super) _guard: Arc<HandleGuard>,
 }
 

@@ -77,6 +77,7 @@ pub fn start(
     }
     let (inputs, input_rx) = mpsc::channel();
     let (serving_tx, serving) = watch::channel(false);
+    let (refused_setting_tx, refused_setting) = watch::channel(None);
     let limits = Arc::new(limits);
     let attach_listener = match &config.worker.attach_socket {
         Some(path) => {
@@ -99,7 +100,7 @@ pub fn start(
         tokenizer,
         limits.clone(),
         (inputs.clone(), input_rx),
-        serving_tx,
+        (serving_tx, refused_setting_tx),
         stats,
     );
     engine.attach_listener = attach_listener;
@@ -115,6 +116,7 @@ pub fn start(
         max_queued,
         limits,
         serving,
+        refused_setting,
         _guard: Arc::new(HandleGuard(inputs)),
     };
     Ok((handle, thread))
@@ -141,6 +143,7 @@ struct Engine {
     drain_deadline: Option<Instant>,
     drain_expired: bool,
     serving: watch::Sender<bool>,
+    refused_setting: watch::Sender<Option<String>>,
     /// Drivers of replicas that left the pool, joined when the engine stops.
     retired: Vec<DriverHandle>,
     attach_listener: Option<AttachListener>,
@@ -154,7 +157,7 @@ impl Engine {
         tokenizer: Arc<ModelTokenizer>,
         limits: Arc<ModelLimits>,
         (input_sender, inputs): (Sender<EngineInput>, Receiver<EngineInput>),
-        serving: watch::Sender<bool>,
+        (serving, refused_setting): (watch::Sender<bool>, watch::Sender<Option<String>>),
         stats: EngineStats,
     ) -> Self {
         let scheduler = &config.scheduler;
@@ -187,6 +190,7 @@ impl Engine {
             drain_deadline: None,
             drain_expired: false,
             serving,
+            refused_setting,
             retired: Vec::new(),
             attach_listener: None,
             next_sequence_id: 1,

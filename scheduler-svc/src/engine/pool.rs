@@ -97,6 +97,16 @@ impl Engine {
                 tracing::warn!(replica = message.replica, restarting, "replica lost its worker");
                 self.lose_worker(index);
             }
+            ReplicaEvent::RefusedSetting { error } => {
+                replica.last_error = Some(error.clone());
+                replica.state = ReplicaState::Failed;
+                // A spawned worker's settings are the server's own: it cannot serve with them.
+                // (An attached worker's container may differ; the pool waits for another.)
+                if replica.origin == ReplicaOrigin::Spawned {
+                    let _ = self.refused_setting.send(Some(error));
+                }
+                self.lose_worker(index);
+            }
             ReplicaEvent::Exited => {
                 self.lose_worker(index);
                 let replica = self.replicas.remove(index);

@@ -64,6 +64,7 @@ impl Engine {
             .replicas
             .iter()
             .filter_map(|replica| replica.routable())
+            .filter(|live| live.scheduler.admits_new_sequences(live.running.len()))
             .map(|live| live.blocks.admissible_tokens(!live.running.is_empty()))
             .max()
             .unwrap_or(0)

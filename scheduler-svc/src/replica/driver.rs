@@ -58,6 +58,9 @@ pub enum ReplicaEvent {
     /// The worker is gone (died, hung past the step deadline, failed a step or its start); its
     /// KV cache with it. `restarting`: a new worker process follows after a back-off.
     Failed { error: String, restarting: bool },
+    /// The worker refused a setting's value at its start (`error` names the key): a restart
+    /// would fail the same way, so none follows.
+    RefusedSetting { error: String },
     /// The driver ended: the replica will not come back.
     Exited,
 }
@@ -207,6 +210,13 @@ impl Driver {
                     }
                 }
                 Err(WorkerClientError::Stopped) => break,
+                Err(error @ WorkerClientError::RefusedSetting { .. }) => {
+                    tracing::error!(replica = self.id, %error, "worker refused a setting; not restarting it");
+                    self.send(ReplicaEvent::RefusedSetting {
+                        error: error.to_string(),
+                    });
+                    break;
+                }
                 Err(error) => error,
             };
             let stopping = self.stop.load(Ordering::Acquire);

@@ -233,3 +233,36 @@ fn fair_gives_waiting_requests_a_turn_in_arrival_order_when_the_step_is_full() {
     }
     assert_eq!(first_steps, vec![1, 2, 3, 4]);
 }
+
+#[test]
+fn fair_never_admits_a_later_request_ahead_of_one_waiting_for_blocks() {
+    let mut r = Vec::new();
+    // One sequence a step, so the ring's start rotates past the waiting ones.
+    let mut scheduler = scheduler(1, 64, SchedulingPolicy::Fair);
+    let mut blocks = blocks(16, 4);
+    let mut running = vec![seq(1, 2, Priority::Normal, &mut r)];
+    make_resident_decoding(&mut running[0], &mut blocks);
+    let mut hog = blocks.allocate(9).expect("blocks");
+    // 6 blocks free: the earlier request needs 8, the later one 2.
+    let mut waiting = WaitingQueue::default();
+    waiting.push_back(seq(2, 28, Priority::Normal, &mut r));
+    waiting.push_back(seq(3, 2, Priority::Normal, &mut r));
+    for _ in 0..6 {
+        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+        assert_eq!(shape(&plan, &running).iter().map(|s| s.0).collect::<Vec<_>>(), vec![1]);
+        finish_step(&mut running, &plan);
+    }
+    assert_eq!(
+        waiting.iter().map(|s| s.id).collect::<Vec<_>>(),
+        vec![2, 3],
+        "first come, first served"
+    );
+    blocks.release(&mut hog);
+    let admitted = (0..3).find_map(|_| {
+        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+        let ids: Vec<u64> = shape(&plan, &running).iter().map(|s| s.0).collect();
+        finish_step(&mut running, &plan);
+        ids.into_iter().find(|&id| id != 1)
+    });
+    assert_eq!(admitted, Some(2), "the earlier request goes first once blocks are free");
+}
