@@ -10,7 +10,8 @@
 //! - [`scheduler`]: planning each iteration (continuous batching, chunked prefill, preemption).
 //! - [`block_manager`]: paged KV block accounting.
 //! - [`completion`]: every way a sequence ends, decided in one place as one typed outcome.
-//! - `rivulet_text` ([`detokenizer`], [`tokenizer`], [`chat_template`], [`token_piece`]): text in and out.
+//! - `rivulet_text` ([`detokenizer`], [`tokenizer`], [`chat_template`], [`token_piece`]): text in
+//!   and out.
 //! - [`worker_client`], [`step_writer`]: a worker process and its shared-memory step buffer;
 //!   [`worker_protocol`]: refusing a worker binary of another protocol version.
 
