@@ -15,7 +15,7 @@ use common::{binary, model_path};
 /// running after 60 s.
 fn failed_start(env: &[(&str, &str)]) -> (i32, String) {
     let mut child = Command::new(binary("rivulet-scheduler"))
-        .env("RIVULET_CONFIG", "/nonexistent/rivulet.toml")
+        .env("RIVULET_CONFIG", "/dev/null")
         .env("RIVULET_SERVER__LISTEN", "127.0.0.1:0")
         .env("RIVULET_SERVER__HTTP_LISTEN", "127.0.0.1:0")
         .env("RIVULET_SERVER__ADMIN_LISTEN", "127.0.0.1:0")

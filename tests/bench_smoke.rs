@@ -198,3 +198,38 @@ fn openai_backend_times_server_sent_events() {
     assert!(summary["tpot_ms"]["mean"].as_f64().unwrap_or(0.0) >= 19.0, "{summary}");
     assert!(record["server"].is_null(), "no Rivulet stats for another server");
 }
+
+#[test]
+fn bad_arguments_and_a_run_in_which_every_request_failed_exit_non_zero() {
+    let run = |args: &[&str]| {
+        Command::new(common::binary("rivulet-bench"))
+            .current_dir(common::root())
+            .arg("run")
+            .args(args)
+            .arg("--no-progress")
+            .output()
+            .expect("rivulet-bench runs (scripts/test.sh builds it)")
+    };
+    for (args, named) in [
+        (&["--max-concurrency", "0"][..], "--max-concurrency"),
+        (&["--num-prompts", "0"], "--num-prompts"),
+        (&["--random-output-len", "0"], "--random-output-len"),
+        (&["--random-range-ratio", "1.5"], "--random-range-ratio"),
+    ] {
+        let output = run(args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success() && stderr.contains(named), "{args:?}: {stderr}");
+    }
+    // A port nobody listens on: every request fails, and the exit code says so.
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let output = run(&["--backend", "openai", "--url", &url, "--num-prompts", "2"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success() && stderr.contains("every one of the 2 requests failed"),
+        "{stderr}"
+    );
+}

@@ -147,6 +147,23 @@ async fn under_a_tiny_kv_cache_preempted_requests_still_get_exactly_their_own_to
         assert_eq!(together.len(), 48);
         assert_eq!(together, alone, "preemption changed the output of {prompt:?}");
     }
+
+    // A prompt 6 tokens short of the 256-token context, without max_new_tokens: the server's
+    // default (16) is cut to the room left, as vLLM caps its default, not refused.
+    let near_full = GenerateRequest {
+        prompt_token_ids: vec![1000; 250],
+        stopping: Some(rivulet::proto::StoppingCriteria {
+            ignore_eos: true,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let output = client
+        .generate(near_full)
+        .await
+        .expect("capped, not refused")
+        .into_inner();
+    assert_eq!(output.token_ids.len(), 6);
 }
 
 /// A tiny deterministic generator for the cancellation pattern.

@@ -88,15 +88,15 @@ struct RunArgs {
     dataset: DatasetKind,
     #[arg(long)]
     dataset_path: Option<PathBuf>,
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = positive::<usize>)]
     num_prompts: usize,
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = positive::<u32>)]
     random_input_len: u32,
     /// Output tokens asked of each request (all datasets; a file line's `max_tokens` wins).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = positive::<u32>)]
     random_output_len: u32,
-    /// Lengths are drawn uniformly from [len·(1−r), len·(1+r)].
-    #[arg(long, default_value_t = 0.0)]
+    /// Lengths are drawn uniformly from [len·(1−r), len·(1+r)], r in [0, 1).
+    #[arg(long, default_value_t = 0.0, value_parser = range_ratio)]
     random_range_ratio: f64,
     #[arg(long, default_value_t = 4)]
     num_prefix_groups: usize,
@@ -108,7 +108,7 @@ struct RunArgs {
     #[arg(long, default_value = "inf")]
     request_rate: RequestRate,
     /// Most requests in flight at once.
-    #[arg(long)]
+    #[arg(long, value_parser = positive::<usize>)]
     max_concurrency: Option<usize>,
     /// Seed of the dataset and of the Poisson arrivals.
     #[arg(long, default_value_t = 0)]
@@ -179,7 +179,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         BackendKind::Openai => Backend::OpenAi(OpenAiBackend::new(&url, args.model_name.as_deref())?),
     };
     let server_before = match &args.admin_url {
-        Some(admin) => server_stats::read(admin).await.ok(),
+        Some(admin) => admin_stats(admin).await,
         None => None,
     };
     let options = RunOptions {
@@ -199,7 +199,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (outcomes, duration) = runner::run(&backend, &requests, &options).await;
     let summary = Summary::from_outcomes(&outcomes, duration);
     let server = match (server_before, &args.admin_url) {
-        (Some(before), Some(admin)) => server_stats::read(admin).await.ok().map(|after| after.since(&before)),
+        (Some(before), Some(admin)) => admin_stats(admin).await.map(|after| after.since(&before)),
         _ => None,
     };
 
@@ -225,7 +225,41 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             .with_context(|| format!("opening {}", path.display()))?;
         std::io::Write::write_all(&mut file, format!("{line}\n").as_bytes())?;
     }
+    // A run in which nothing succeeded measured nothing: scripts must see it fail.
+    if summary.completed == 0 {
+        anyhow::bail!("every one of the {} requests failed", summary.failed);
+    }
     Ok(())
+}
+
+/// Rivulet's step figures from `--admin-url`, or a warning saying why the run goes without them.
+async fn admin_stats(admin: &str) -> Option<server_stats::StepCounters> {
+    match server_stats::read(admin).await {
+        Ok(stats) => Some(stats),
+        Err(error) => {
+            eprintln!(
+                "warning: --admin-url {admin}: {}; Rivulet's step timings are left out",
+                error.message()
+            );
+            None
+        }
+    }
+}
+
+/// A whole number above zero (a count or a length).
+fn positive<T: std::str::FromStr + PartialOrd + Default>(text: &str) -> Result<T, String> {
+    match text.parse::<T>() {
+        Ok(value) if value > T::default() => Ok(value),
+        _ => Err(format!("`{text}` is not a whole number above 0")),
+    }
+}
+
+/// `--random-range-ratio`: lengths stay positive only for r in [0, 1).
+fn range_ratio(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(ratio) if (0.0..1.0).contains(&ratio) => Ok(ratio),
+        _ => Err(format!("`{text}` is not in [0, 1)")),
+    }
 }
 
 fn build_dataset(args: &RunArgs, tokenizer: &ModelTokenizer) -> anyhow::Result<Vec<BenchRequest>> {

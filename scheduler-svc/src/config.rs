@@ -3,7 +3,7 @@
 //! Invalid configuration fails at start with the key named.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
@@ -14,10 +14,15 @@ use crate::scheduler::SchedulingPolicy;
 
 #[derive(Debug, Error)]
 pub enum ConfigError {
+    /// figment's message already says everything: not also kept as the source, which would
+    /// print it a second time under "Caused by".
     #[error("invalid configuration: {0}")]
-    Figment(#[from] Box<figment::Error>),
+    Figment(Box<figment::Error>),
     #[error("invalid configuration: `{key}` {problem}")]
     Invalid { key: &'static str, problem: String },
+    /// A configuration file named on purpose (`--config`, `RIVULET_CONFIG`) that cannot be read.
+    #[error("configuration file {path}: {problem}")]
+    File { path: String, problem: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -207,6 +212,12 @@ impl Default for Config {
     }
 }
 
+impl From<Box<figment::Error>> for ConfigError {
+    fn from(error: Box<figment::Error>) -> Self {
+        Self::Figment(error)
+    }
+}
+
 /// Settings given on the command line: they win over the file and the environment.
 #[derive(Debug, Default, Clone)]
 pub struct Overrides(Vec<(&'static str, figment::value::Value)>);
@@ -222,19 +233,42 @@ impl Overrides {
     }
 }
 
+/// `auto`, `cpu`, `cuda` or `cuda:N`, as the worker reads a device (any case, spaces around).
+fn is_device_spec(spec: &str) -> bool {
+    let spec = spec.trim().to_ascii_lowercase();
+    match spec.strip_prefix("cuda") {
+        Some(rest) => rest.is_empty() || rest.strip_prefix(':').is_some_and(|n| n.parse::<usize>().is_ok()),
+        None => spec == "auto" || spec == "cpu",
+    }
+}
+
 impl Config {
     /// Defaults ← the TOML file (when it exists) ← `RIVULET_*` environment.
-    pub fn load(toml_path: Option<&std::path::Path>) -> Result<Self, ConfigError> {
+    pub fn load(toml_path: Option<&Path>) -> Result<Self, ConfigError> {
         Self::load_with(toml_path, Overrides::default())
     }
 
     /// Defaults ← the TOML file (when it exists) ← `RIVULET_*` environment ← `overrides`.
-    pub fn load_with(toml_path: Option<&std::path::Path>, overrides: Overrides) -> Result<Self, ConfigError> {
-        let path = toml_path.map(PathBuf::from).unwrap_or_else(|| {
-            std::env::var_os("RIVULET_CONFIG")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from("rivulet.toml"))
-        });
+    pub fn load_with(toml_path: Option<&Path>, overrides: Overrides) -> Result<Self, ConfigError> {
+        let named = toml_path
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("RIVULET_CONFIG").map(PathBuf::from));
+        // Only the implicit `./rivulet.toml` may be absent: a file the user named that cannot be
+        // read is a mistake to report, not a reason to serve on the defaults.
+        if let Some(named) = &named {
+            let problem = match std::fs::metadata(named) {
+                Ok(metadata) if metadata.is_dir() => Some("is a directory".to_owned()),
+                Ok(_) => std::fs::File::open(named).err().map(|error| error.to_string()),
+                Err(error) => Some(error.to_string()),
+            };
+            if let Some(problem) = problem {
+                return Err(ConfigError::File {
+                    path: named.display().to_string(),
+                    problem,
+                });
+            }
+        }
+        let path = named.unwrap_or_else(|| PathBuf::from("rivulet.toml"));
         let figment = Figment::from(Serialized::defaults(Config::default()))
             .merge(Toml::file(path))
             .merge(
@@ -333,8 +367,40 @@ impl Config {
         if self.scheduler.no_worker_timeout_secs == 0 {
             return invalid("scheduler.no_worker_timeout_secs", "must be positive");
         }
-        if self.worker.step_timeout_secs == 0 || self.worker.startup_timeout_secs == 0 {
-            return invalid("worker.step_timeout_secs", "timeouts must be positive");
+        if self.worker.step_timeout_secs == 0 {
+            return invalid("worker.step_timeout_secs", "must be positive");
+        }
+        if self.worker.startup_timeout_secs == 0 {
+            return invalid("worker.startup_timeout_secs", "must be positive");
+        }
+        // The spelling only: whether the machine has the device, the worker finds out.
+        if !is_device_spec(&self.worker.device) {
+            return invalid("worker.device", "must be auto, cpu or cuda:N");
+        }
+        if let Some(bad) = self.worker.devices.iter().find(|device| !is_device_spec(device)) {
+            return invalid(
+                "worker.devices",
+                &format!("lists {bad:?}: each must be auto, cpu or cuda:N"),
+            );
+        }
+        if self.model.max_model_len == Some(0) {
+            return invalid("model.max_model_len", "must be positive");
+        }
+        if self.scheduler.max_queued_requests == 0 {
+            return invalid("scheduler.max_queued_requests", "must be positive");
+        }
+        if !(0.0..1.0).contains(&self.scheduler.reserved_block_ratio) {
+            return invalid("scheduler.reserved_block_ratio", "must be in [0, 1)");
+        }
+        if !(self.scheduler.backpressure_threshold > 0.0 && self.scheduler.backpressure_threshold <= 1.0) {
+            return invalid("scheduler.backpressure_threshold", "must be in (0, 1]");
+        }
+        if self
+            .scheduler
+            .confidence_threshold
+            .is_some_and(|threshold| !(threshold > 0.0 && threshold < 1.0))
+        {
+            return invalid("scheduler.confidence_threshold", "must be in (0, 1)");
         }
         Ok(())
     }
@@ -417,6 +483,67 @@ mod tests {
             assert_eq!(config.worker.replicas, 3);
             assert_eq!(config.scheduler.max_num_seqs, 8, "an absent flag changes nothing");
             assert_eq!(config.model.path, PathBuf::from("other.gguf"));
+            Ok(())
+        });
+    }
+
+    #[test]
+    #[allow(clippy::result_large_err)] // figment::Jail's closure signature, not ours
+    fn out_of_range_values_and_a_named_file_that_is_missing_are_refused_by_name() {
+        figment::Jail::expect_with(|jail| {
+            for (variable, bad, good, key) in [
+                ("RIVULET_MODEL__MAX_MODEL_LEN", "0", "64", "model.max_model_len"),
+                (
+                    "RIVULET_SCHEDULER__MAX_QUEUED_REQUESTS",
+                    "0",
+                    "8",
+                    "scheduler.max_queued_requests",
+                ),
+                (
+                    "RIVULET_SCHEDULER__RESERVED_BLOCK_RATIO",
+                    "1.5",
+                    "0.1",
+                    "scheduler.reserved_block_ratio",
+                ),
+                (
+                    "RIVULET_SCHEDULER__BACKPRESSURE_THRESHOLD",
+                    "-0.1",
+                    "0.8",
+                    "scheduler.backpressure_threshold",
+                ),
+                (
+                    "RIVULET_SCHEDULER__CONFIDENCE_THRESHOLD",
+                    "2.0",
+                    "0.5",
+                    "scheduler.confidence_threshold",
+                ),
+                (
+                    "RIVULET_WORKER__STARTUP_TIMEOUT_SECS",
+                    "0",
+                    "10",
+                    "worker.startup_timeout_secs",
+                ),
+                ("RIVULET_WORKER__DEVICE", "gpu", "CUDA:1", "worker.device"),
+            ] {
+                jail.set_env(variable, bad);
+                let err = Config::load(None).expect_err(key).to_string();
+                assert!(err.contains(key), "{variable}={bad}: {err}");
+                jail.set_env(variable, good);
+                Config::load(None).map_err(|e| format!("{variable}={good}: {e}"))?;
+            }
+            // Only the implicit ./rivulet.toml may be missing.
+            let err = Config::load(Some(Path::new("missing.toml")))
+                .expect_err("named, missing")
+                .to_string();
+            assert!(err.contains("configuration file missing.toml"), "{err}");
+            let err = Config::load(Some(jail.directory()))
+                .expect_err("a directory")
+                .to_string();
+            assert!(err.contains("is a directory"), "{err}");
+            jail.set_env("RIVULET_CONFIG", "missing.toml");
+            assert!(Config::load(None).is_err(), "RIVULET_CONFIG names a missing file");
+            jail.create_file("missing.toml", "")?;
+            Config::load(None).map_err(|e| e.to_string())?;
             Ok(())
         });
     }

@@ -17,6 +17,8 @@ pub enum ModelLimitsError {
     HfConfig { path: String, problem: String },
     #[error("the model's architecture `{0}` is not supported (supported: {supported})", supported = SUPPORTED_ARCHITECTURES.join(", "))]
     UnsupportedArchitecture(String),
+    #[error("model.max_model_len: {cap} tokens is more than the model's context of {context} tokens")]
+    CapPastContext { cap: u32, context: u32 },
 }
 
 #[derive(Debug)]
@@ -47,10 +49,14 @@ impl ModelLimits {
             supported(architecture)?;
             file.get_u64(&format!("{architecture}.context_length"))? as u32
         };
-        Ok(Self::new(
-            vocab_size,
-            cap.map_or(context_length, |cap| cap.min(context_length)),
-        ))
+        // As vLLM refuses it: positions past the model's training were never learned.
+        if let Some(cap) = cap.filter(|&cap| cap > context_length) {
+            return Err(ModelLimitsError::CapPastContext {
+                cap,
+                context: context_length,
+            });
+        }
+        Ok(Self::new(vocab_size, cap.unwrap_or(context_length)))
     }
 
     pub fn new(vocab_size: u32, max_model_len: u32) -> Self {

@@ -53,9 +53,14 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     let served_model_name = config.served_model_name();
     let metrics = Arc::new(Metrics::new(&served_model_name)?);
     // Bound before any worker starts: a taken port fails the start with nothing to clean up.
-    let grpc_listener = TcpListener::bind(config.server.listen).await?;
-    let http_listener = TcpListener::bind(config.server.http_listen).await?;
-    let admin_listener = TcpListener::bind(config.server.admin_listen).await?;
+    let bind = |key: &'static str, address: std::net::SocketAddr| async move {
+        TcpListener::bind(address)
+            .await
+            .with_context(|| format!("{key} {address}"))
+    };
+    let grpc_listener = bind("server.listen", config.server.listen).await?;
+    let http_listener = bind("server.http_listen", config.server.http_listen).await?;
+    let admin_listener = bind("server.admin_listen", config.server.admin_listen).await?;
     let (engine, engine_thread) = engine::start(config.clone(), tokenizer.clone(), limits, metrics.clone())?;
     let front = Frontend {
         validator: Arc::new(Validator {

@@ -78,7 +78,8 @@ impl TestServer {
             )
             // The tests' own variable is not the server's setting (figment would refuse it).
             .env_remove("RIVULET_TEST_LOG")
-            .env("RIVULET_CONFIG", "/nonexistent/rivulet.toml")
+            // An empty configuration file: a rivulet.toml in the working folder is not read.
+            .env("RIVULET_CONFIG", "/dev/null")
             .env("RIVULET_SERVER__LISTEN", "127.0.0.1:0")
             .env("RIVULET_SERVER__HTTP_LISTEN", "127.0.0.1:0")
             .env("RIVULET_SERVER__ADMIN_LISTEN", "127.0.0.1:0")

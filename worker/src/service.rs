@@ -433,12 +433,14 @@ pub fn serve(options: &WorkerOptions, server_name: &str) -> Result<(), WorkerErr
     command_loop(&mut worker, &commands, &events)
 }
 
-/// The configuration key a load failure is about, where no other worker given the same settings
-/// could do better: a budget of fixed bytes too small for one sequence of the context. (A share of
-/// free memory can fit later, and a device can come back: those stay ordinary failures.)
+/// The configuration key a load failure is about: a KV budget too small for one sequence of the
+/// context, or a device this machine does not have. Whether that ends the server is the
+/// scheduler's call (it does for a replica whose worker never got ready: a start that cannot work).
 fn refused_setting(error: &WorkerError, budget: KvBudget) -> Option<&'static str> {
     match (error, budget) {
         (WorkerError::KvBudgetTooSmall(_), KvBudget::Bytes(_)) => Some("worker.kv_cache_memory"),
+        (WorkerError::KvBudgetTooSmall(_), KvBudget::FreeFraction(_)) => Some("worker.kv_cache_memory_fraction"),
+        (WorkerError::Device(..), _) => Some("worker.device"),
         _ => None,
     }
 }

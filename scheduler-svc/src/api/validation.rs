@@ -268,17 +268,18 @@ impl Validator {
 
     fn stopping_params(&self, stopping: StoppingDraft, prompt_len: usize) -> Result<StoppingParams, ValidationError> {
         let max_model_len = self.limits.max_model_len as usize;
+        // What the context (and the largest KV cache) leaves after the prompt.
+        let room = max_model_len.saturating_sub(prompt_len);
+        let room = match self.limits.kv_capacity_tokens() {
+            Some(capacity) => room.min(capacity.saturating_sub(prompt_len)),
+            None => room,
+        };
+        // A limit the client did not set never refuses its request: as vLLM caps its default,
+        // the server's default (or, for chat, the rest of the context) is cut to the room left.
         let max_new_tokens = match stopping.max_new_tokens {
             Some(max) => max,
-            None if stopping.default_to_rest_of_context => {
-                let room = max_model_len.saturating_sub(prompt_len);
-                let room = match self.limits.kv_capacity_tokens() {
-                    Some(capacity) => room.min(capacity.saturating_sub(prompt_len)),
-                    None => room,
-                };
-                room.clamp(1, u32::MAX as usize) as u32
-            }
-            None => self.default_max_new_tokens,
+            None if stopping.default_to_rest_of_context => room.clamp(1, u32::MAX as usize) as u32,
+            None => room.min(self.default_max_new_tokens as usize).max(1) as u32,
         };
         if max_new_tokens == 0 {
             return Err(ValidationError::invalid(Field::MaxNewTokens, "must be at least 1"));

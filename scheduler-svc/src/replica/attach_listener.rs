@@ -2,6 +2,7 @@
 //! pool. Each connection is handed to the engine, which gives it a replica and a driver.
 
 use std::io;
+use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,8 +33,15 @@ impl AttachListener {
                 "another process is listening on it",
             ));
         }
-        match std::fs::remove_file(path) {
-            Ok(()) => {}
+        // A stale socket (its server gone) is replaced; anything else at the path is the user's.
+        match std::fs::symlink_metadata(path) {
+            Ok(metadata) if metadata.file_type().is_socket() => std::fs::remove_file(path)?,
+            Ok(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "something other than a socket is there (it is left alone)",
+                ))
+            }
             Err(error) if error.kind() == io::ErrorKind::NotFound => {}
             Err(error) => return Err(error),
         }

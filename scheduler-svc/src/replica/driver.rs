@@ -58,7 +58,7 @@ pub enum ReplicaEvent {
     /// The worker is gone (died, hung past the step deadline, failed a step or its start); its
     /// KV cache with it. `restarting`: a new worker process follows after a back-off.
     Failed { error: String, restarting: bool },
-    /// The worker refused a setting's value at its start (`error` names the key): a restart
+    /// The replica's first worker refused a setting's value (`error` names the key): a restart
     /// would fail the same way, so none follows.
     RefusedSetting { error: String },
     /// The driver ended: the replica will not come back.
@@ -183,6 +183,10 @@ impl Driver {
         };
         let restarts = attached.is_none();
         let mut backoff = FIRST_BACKOFF;
+        // A setting refused before any worker of the replica got ready cannot work: no restart.
+        // After one did, the same refusal is the machine changing (memory taken, a device
+        // lost), which a later restart may outlast.
+        let mut ever_ready = false;
         loop {
             self.incarnation += 1;
             notice.incarnation = self.incarnation;
@@ -193,6 +197,7 @@ impl Driver {
             };
             let failure = match started {
                 Ok((client, buffer)) => {
+                    ever_ready = true;
                     tracing::info!(replica = self.id, pid = client.pid(), ready = ?client.ready(), "worker ready");
                     self.send(ReplicaEvent::Ready {
                         pid: client.pid(),
@@ -210,7 +215,7 @@ impl Driver {
                     }
                 }
                 Err(WorkerClientError::Stopped) => break,
-                Err(error @ WorkerClientError::RefusedSetting { .. }) => {
+                Err(error @ WorkerClientError::RefusedSetting { .. }) if !ever_ready => {
                     tracing::error!(replica = self.id, %error, "worker refused a setting; not restarting it");
                     self.send(ReplicaEvent::RefusedSetting {
                         error: error.to_string(),
