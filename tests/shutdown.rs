@@ -1,5 +1,6 @@
 //! Graceful shutdown: on SIGTERM the server stops taking work, lets running requests finish up to
-//! `shutdown_timeout_secs`, ends the rest with UNAVAILABLE, stops its worker and exits cleanly.
+//! `shutdown_timeout_secs`, ends the rest with UNAVAILABLE, stops its worker and exits cleanly —
+//! also when the worker hangs in a step.
 
 mod common;
 
@@ -77,4 +78,43 @@ async fn sigterm_drains_then_ends_what_is_left_and_exits_cleanly() {
         .status()
         .expect("kill -0");
     assert!(!gone.success(), "the worker process stopped too");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hung_worker_does_not_hold_the_shutdown_past_its_timeout() {
+    // The step deadline (120 s by default) is far past the drain: the shutdown must not wait on
+    // a step that a SIGSTOPped worker will never finish.
+    let mut server = TestServer::start(&[("RIVULET_SERVER__SHUTDOWN_TIMEOUT_SECS", "2")]);
+    let worker = children(server.pid());
+    let mut client = server.client().await;
+    let mut long = client
+        .stream_generate(greedy_request("Tell me a very long story.", 1500))
+        .await
+        .expect("long")
+        .into_inner();
+    long.next().await.expect("first").expect("ok");
+    common::signal(worker[0], "STOP");
+    let signalled = Instant::now();
+    common::signal(server.pid(), "TERM");
+    let status = loop {
+        match long.next().await {
+            Some(Ok(_)) => continue,
+            Some(Err(status)) => break status,
+            None => panic!("a hung worker's request cannot have finished"),
+        }
+    };
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    let exit = server.terminate();
+    assert!(exit.success(), "exit status {exit:?}");
+    assert!(
+        signalled.elapsed() < Duration::from_secs(20),
+        "the shutdown waited {:?} for the hung worker",
+        signalled.elapsed()
+    );
+    let gone = Command::new("kill")
+        .arg("-0")
+        .arg(worker[0].to_string())
+        .status()
+        .expect("kill -0");
+    assert!(!gone.success(), "the hung worker was killed");
 }

@@ -140,8 +140,7 @@ impl WorkerClient {
         launch: &WorkerLaunch,
         stop: std::sync::Arc<AtomicBool>,
     ) -> Result<(Self, StepBuffer), WorkerClientError> {
-        let (server, server_name) =
-            IpcOneShotServer::<Bootstrap>::new().map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
+        let (server, server_name) = one_shot_server()?;
         let settings = &launch.assignment;
         let name = server_name.clone();
         let mut command = Command::new(&launch.binary);
@@ -214,8 +213,7 @@ impl WorkerClient {
             reply(&AttachReply::Refused { reason: reason.clone() })?;
             return Err(WorkerClientError::Attach(reason));
         }
-        let (server, server_name) =
-            IpcOneShotServer::<Bootstrap>::new().map_err(|e| WorkerClientError::Ipc(e.to_string()))?;
+        let (server, server_name) = one_shot_server()?;
         let assignment = AttachAssignment {
             ipc_server: server_name.clone(),
             ..launch.assignment.clone()
@@ -376,6 +374,19 @@ impl Drop for WorkerClient {
         }
         let _ = child.kill();
         let _ = child.wait();
+    }
+}
+
+/// The handshake's one-shot server, whose socket ipc-channel makes in a fresh folder under
+/// `TMPDIR`. Where that folder cannot be made, ipc-channel 0.23 panics on the error (an assertion
+/// on its kind) instead of returning it: caught here, so that the driver reports a failed start.
+fn one_shot_server() -> Result<(IpcOneShotServer<Bootstrap>, String), WorkerClientError> {
+    match std::panic::catch_unwind(IpcOneShotServer::<Bootstrap>::new) {
+        Ok(made) => made.map_err(|e| WorkerClientError::Ipc(e.to_string())),
+        Err(_) => Err(WorkerClientError::Ipc(format!(
+            "cannot make the handshake socket's folder in {}",
+            std::env::temp_dir().display()
+        ))),
     }
 }
 

@@ -1,6 +1,8 @@
 //! `rivulet-worker`: runs the model for `rivulet-scheduler`. Either spawned by the scheduler
 //! (`--ipc-server`, with the model settings on the command line) or started elsewhere, e.g. in
 //! another container of the pod, attaching through the scheduler's socket (`--attach PATH`).
+//!
+//! `unsafe` here installs the SIGTERM handler (see [`exit_on_sigterm`]).
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -74,6 +76,19 @@ struct Args {
     protocol_version: bool,
 }
 
+/// SIGTERM ends the worker at once, as it ends any process without a handler, and its scheduler
+/// moves what it ran to another replica. Said explicitly because a container's PID 1 ignores a
+/// signal it has no handler for: a worker container's `docker stop` waited out the grace period
+/// and was killed (exit 137).
+fn exit_on_sigterm() {
+    extern "C" fn exit_now(_signal: libc::c_int) {
+        // SAFETY: `_exit` is async-signal-safe; nothing else runs in the handler.
+        unsafe { libc::_exit(0) }
+    }
+    // SAFETY: installs a handler that calls only an async-signal-safe function.
+    unsafe { libc::signal(libc::SIGTERM, exit_now as *const () as libc::sighandler_t) };
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if args.protocol_version {
@@ -90,6 +105,7 @@ fn main() -> anyhow::Result<()> {
     } else {
         subscriber.init();
     }
+    exit_on_sigterm();
     if !rivulet_worker::malloc_tuning::keep_freed_memory() {
         tracing::warn!("could not tune malloc thresholds; steps may page-fault more");
     }

@@ -55,6 +55,10 @@ pub enum EngineStartError {
     WorkerProtocol(#[from] crate::worker_protocol::WorkerProtocolError),
     #[error("worker.attach_socket `{path}`: {source}")]
     AttachSocket { path: String, source: std::io::Error },
+    #[error(
+        "the temporary folder {path} (TMPDIR), where each worker's handshake socket is made, cannot be written: {error}"
+    )]
+    TempDir { path: String, error: std::io::Error },
     #[error("starting the engine thread: {0}")]
     Thread(#[from] std::io::Error),
 }
@@ -75,6 +79,7 @@ pub fn start(
     if config.worker.replicas > 0 {
         crate::worker_protocol::check_worker_protocol(&binary)?;
     }
+    check_temp_dir()?;
     let (inputs, input_rx) = mpsc::channel();
     let (serving_tx, serving) = watch::channel(false);
     let (refused_setting_tx, refused_setting) = watch::channel(None);
@@ -120,6 +125,20 @@ pub fn start(
         _guard: Arc::new(HandleGuard(inputs)),
     };
     Ok((handle, thread))
+}
+
+/// Every worker's handshake goes through a socket in `TMPDIR` (a read-only root filesystem
+/// without a writable `/tmp`, a `TMPDIR` that does not exist): found out at start, not at each
+/// worker's start.
+fn check_temp_dir() -> Result<(), EngineStartError> {
+    let dir = std::env::temp_dir();
+    let probe = dir.join(format!(".rivulet-start-{}", std::process::id()));
+    std::fs::create_dir(&probe)
+        .and_then(|()| std::fs::remove_dir(&probe))
+        .map_err(|error| EngineStartError::TempDir {
+            path: dir.display().to_string(),
+            error,
+        })
 }
 
 struct Engine {
@@ -201,7 +220,9 @@ impl Engine {
     fn run(mut self) {
         loop {
             self.receive_inputs();
-            if !self.handles_open && self.is_idle() {
+            // After the drain deadline every request was ended: a step still out (a hung worker's)
+            // is not waited for; stopping the drivers cuts it off.
+            if !self.handles_open && (self.is_idle() || self.drain_expired) {
                 break;
             }
             self.drop_abandoned();

@@ -211,12 +211,20 @@ impl LiveReplica {
         last.iter().filter_map(|&id| self.waiting.remove(id)).collect()
     }
 
-    /// Ends every sequence with `error` (resident ones only between steps).
+    /// Ends every sequence with `error`. Resident ones in a step still out stay until it returns
+    /// (the step writes their rows), but their clients are told now: a hung worker's step may
+    /// never return, and the server's shutdown must not wait on it. Their events then go to a
+    /// closed channel, so the engine drops them as abandoned once the step is back.
     pub fn fail_all(&mut self, error: &EngineError) {
         let blocks = &mut self.blocks;
         let resident = if self.in_flight.is_none() {
             std::mem::take(&mut self.running)
         } else {
+            for seq in &mut self.running {
+                let (closed, _) = tokio::sync::mpsc::unbounded_channel();
+                let client = std::mem::replace(&mut seq.events, closed);
+                let _ = client.send(SequenceEvent::Failed(error.clone()));
+            }
             Vec::new()
         };
         for mut seq in resident.into_iter().chain(self.waiting.drain()) {
