@@ -23,6 +23,27 @@ fn children(pid: u32) -> Vec<u32> {
         .collect()
 }
 
+fn is_running(pid: u32) -> bool {
+    Command::new("kill")
+        .arg("-0")
+        .arg(pid.to_string())
+        .status()
+        .expect("kill -0")
+        .success()
+}
+
+/// The error a stream ends with, reading past its tokens (it must not end cleanly: the requests
+/// here cannot finish their 1500 tokens before the shutdown ends them).
+async fn ending_status(stream: &mut tonic::Streaming<rivulet::proto::GenerateStreamResponse>) -> tonic::Status {
+    loop {
+        match stream.next().await {
+            Some(Ok(_)) => continue,
+            Some(Err(status)) => return status,
+            None => panic!("a 1500-token request cannot have finished before the shutdown"),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_drains_then_ends_what_is_left_and_exits_cleanly() {
     let mut server = TestServer::start(&[("RIVULET_SERVER__SHUTDOWN_TIMEOUT_SECS", "2")]);
@@ -57,13 +78,7 @@ async fn sigterm_drains_then_ends_what_is_left_and_exits_cleanly() {
     assert_ne!(last.expect("messages").finish_reason, 0);
 
     // The long one is ended with UNAVAILABLE once the shutdown timeout passes.
-    let status = loop {
-        match long.next().await {
-            Some(Ok(_)) => continue,
-            Some(Err(status)) => break status,
-            None => panic!("the long request cannot have finished 1500 tokens in the drain"),
-        }
-    };
+    let status = ending_status(&mut long).await;
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert!(
         signalled.elapsed() >= Duration::from_secs(2),
@@ -72,12 +87,7 @@ async fn sigterm_drains_then_ends_what_is_left_and_exits_cleanly() {
 
     let exit = server.terminate();
     assert!(exit.success(), "exit status {exit:?}");
-    let gone = Command::new("kill")
-        .arg("-0")
-        .arg(worker[0].to_string())
-        .status()
-        .expect("kill -0");
-    assert!(!gone.success(), "the worker process stopped too");
+    assert!(!is_running(worker[0]), "the worker process stopped too");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -96,13 +106,7 @@ async fn a_hung_worker_does_not_hold_the_shutdown_past_its_timeout() {
     common::signal(worker[0], "STOP");
     let signalled = Instant::now();
     common::signal(server.pid(), "TERM");
-    let status = loop {
-        match long.next().await {
-            Some(Ok(_)) => continue,
-            Some(Err(status)) => break status,
-            None => panic!("a hung worker's request cannot have finished"),
-        }
-    };
+    let status = ending_status(&mut long).await;
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     let exit = server.terminate();
     assert!(exit.success(), "exit status {exit:?}");
@@ -111,10 +115,5 @@ async fn a_hung_worker_does_not_hold_the_shutdown_past_its_timeout() {
         "the shutdown waited {:?} for the hung worker",
         signalled.elapsed()
     );
-    let gone = Command::new("kill")
-        .arg("-0")
-        .arg(worker[0].to_string())
-        .status()
-        .expect("kill -0");
-    assert!(!gone.success(), "the hung worker was killed");
+    assert!(!is_running(worker[0]), "the hung worker was killed");
 }

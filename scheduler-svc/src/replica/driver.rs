@@ -225,7 +225,12 @@ impl Driver {
                 Err(error) => error,
             };
             let stopping = self.stop.load(Ordering::Acquire);
-            tracing::error!(replica = self.id, error = %failure, restarting = restarts && !stopping, "worker failed");
+            if stopping {
+                // The engine let go mid-step (a drain past its deadline): not a worker's failure.
+                tracing::info!(replica = self.id, error = %failure, "worker cut off while stopping");
+            } else {
+                tracing::error!(replica = self.id, error = %failure, restarting = restarts, "worker failed");
+            }
             self.send(ReplicaEvent::Failed {
                 error: failure.to_string(),
                 restarting: restarts && !stopping,
