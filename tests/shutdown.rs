@@ -8,7 +8,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{greedy_request, TestServer};
+use rivulet::proto::generation_client::GenerationClient;
 use tokio_stream::StreamExt;
+use tonic::transport::Channel;
 use tonic::Code;
 
 fn children(pid: u32) -> Vec<u32> {
@@ -30,6 +32,19 @@ fn is_running(pid: u32) -> bool {
         .status()
         .expect("kill -0")
         .success()
+}
+
+/// A stream of 1500 tokens, once its first token came.
+async fn long_stream(
+    client: &mut GenerationClient<Channel>,
+) -> tonic::Streaming<rivulet::proto::GenerateStreamResponse> {
+    let mut long = client
+        .stream_generate(greedy_request("Tell me a very long story.", 1500))
+        .await
+        .expect("long")
+        .into_inner();
+    long.next().await.expect("first").expect("ok");
+    long
 }
 
 /// The error a stream ends with, reading past its tokens (it must not end cleanly: the requests
@@ -55,20 +70,10 @@ async fn sigterm_drains_then_ends_what_is_left_and_exits_cleanly() {
         .await
         .expect("short")
         .into_inner();
-    let mut long = client
-        .stream_generate(greedy_request("Tell me a very long story.", 1500))
-        .await
-        .expect("long")
-        .into_inner();
-    long.next().await.expect("first").expect("ok");
+    let mut long = long_stream(&mut client).await;
 
     let signalled = Instant::now();
-    assert!(Command::new("kill")
-        .arg("-TERM")
-        .arg(server.pid().to_string())
-        .status()
-        .expect("kill")
-        .success());
+    common::signal(server.pid(), "TERM");
 
     // The short request still finishes normally.
     let mut last = None;
@@ -96,13 +101,7 @@ async fn a_hung_worker_does_not_hold_the_shutdown_past_its_timeout() {
     // a step that a SIGSTOPped worker will never finish.
     let mut server = TestServer::start(&[("RIVULET_SERVER__SHUTDOWN_TIMEOUT_SECS", "2")]);
     let worker = children(server.pid());
-    let mut client = server.client().await;
-    let mut long = client
-        .stream_generate(greedy_request("Tell me a very long story.", 1500))
-        .await
-        .expect("long")
-        .into_inner();
-    long.next().await.expect("first").expect("ok");
+    let mut long = long_stream(&mut server.client().await).await;
     common::signal(worker[0], "STOP");
     let signalled = Instant::now();
     common::signal(server.pid(), "TERM");

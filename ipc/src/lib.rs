@@ -8,8 +8,10 @@
 //!   iteration (token ids, positions, slot mapping, block tables, sampling parameters, sampled
 //!   tokens, logprobs), each array described once with its element type.
 //! - [`step_buffer`]: a mapped step buffer, created by the scheduler and opened by the worker.
+//! - [`device`]: how a device is spelled, in the configuration and on a worker's command line.
 
 pub mod attach;
+pub mod device;
 pub mod layout;
 pub mod messages;
 pub mod step_buffer;

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
+use rivulet_ipc::device::DeviceSpec;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -233,15 +234,6 @@ impl Overrides {
     }
 }
 
-/// `auto`, `cpu`, `cuda` or `cuda:N`, as the worker reads a device (any case, spaces around).
-fn is_device_spec(spec: &str) -> bool {
-    let spec = spec.trim().to_ascii_lowercase();
-    match spec.strip_prefix("cuda") {
-        Some(rest) => rest.is_empty() || rest.strip_prefix(':').is_some_and(|n| n.parse::<usize>().is_ok()),
-        None => spec == "auto" || spec == "cpu",
-    }
-}
-
 impl Config {
     /// Defaults ← the TOML file (when it exists) ← `RIVULET_*` environment.
     pub fn load(toml_path: Option<&Path>) -> Result<Self, ConfigError> {
@@ -374,10 +366,15 @@ impl Config {
             return invalid("worker.startup_timeout_secs", "must be positive");
         }
         // The spelling only: whether the machine has the device, the worker finds out.
-        if !is_device_spec(&self.worker.device) {
+        if DeviceSpec::parse(&self.worker.device).is_none() {
             return invalid("worker.device", "must be auto, cpu or cuda:N");
         }
-        if let Some(bad) = self.worker.devices.iter().find(|device| !is_device_spec(device)) {
+        if let Some(bad) = self
+            .worker
+            .devices
+            .iter()
+            .find(|device| DeviceSpec::parse(device).is_none())
+        {
             return invalid(
                 "worker.devices",
                 &format!("lists {bad:?}: each must be auto, cpu or cuda:N"),

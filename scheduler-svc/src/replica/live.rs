@@ -220,7 +220,8 @@ impl LiveReplica {
         let resident = if self.in_flight.is_none() {
             std::mem::take(&mut self.running)
         } else {
-            for seq in &mut self.running {
+            // Those told already (at an earlier pass) hold the closed channel.
+            for seq in self.running.iter_mut().filter(|seq| !seq.events.is_closed()) {
                 let (closed, _) = tokio::sync::mpsc::unbounded_channel();
                 let client = std::mem::replace(&mut seq.events, closed);
                 let _ = client.send(SequenceEvent::Failed(error.clone()));
