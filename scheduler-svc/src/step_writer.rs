@@ -8,9 +8,60 @@ use rivulet_ipc::{SeqSampling, StepBuffer};
 use crate::scheduler::{ScheduledSeq, StepPlan};
 use crate::sequence::Sequence;
 
-/// `eos_token_ids`: the model's, which a sequence may not be given before its `min_new_tokens`
-/// (unless it ignores EOS), as its stop token ids may not.
-pub fn write_step(
+/// The writer of one step buffer, for the buffer's life (a fresh, zeroed segment per worker).
+#[derive(Default)]
+pub struct StepWriter {
+    /// For each block-table row, how many leading entries may be non-zero. A row is as long as the
+    /// model's context (512 entries for SmolLM2's 8192 tokens in blocks of 16), so clearing every
+    /// row's tail each step wrote 4 MB at 1024 sequences; only what an earlier step wrote past a
+    /// row's new length is cleared now.
+    block_table_extents: Vec<usize>,
+}
+
+impl StepWriter {
+    /// `eos_token_ids`: the model's, which a sequence may not be given before its `min_new_tokens`
+    /// (unless it ignores EOS), as its stop token ids may not.
+    pub fn write(
+        &mut self,
+        buffer: &mut StepBuffer,
+        step: u64,
+        plan: &StepPlan,
+        running: &[Sequence],
+        block_size: u32,
+        eos_token_ids: &[u32],
+    ) {
+        write_inputs(buffer, step, plan, running, block_size, eos_token_ids);
+        self.write_block_tables(buffer, plan, running);
+    }
+
+    /// Each sequence's KV blocks, the rest of its row 0.
+    fn write_block_tables(&mut self, buffer: &mut StepBuffer, plan: &StepPlan, running: &[Sequence]) {
+        let layout = *buffer.layout();
+        let max_blocks = layout.capacity.max_blocks_per_seq as usize;
+        if self.block_table_extents.len() < plan.seqs.len() {
+            self.block_table_extents.resize(plan.seqs.len(), 0);
+        }
+        let tables = buffer.array_mut(layout.block_tables);
+        for ((row, extent), s) in tables
+            .chunks_exact_mut(max_blocks)
+            .zip(&mut self.block_table_extents)
+            .zip(&plan.seqs)
+        {
+            let blocks = &running[s.running_index].blocks;
+            let used = blocks.len().min(max_blocks);
+            for (entry, &block) in row.iter_mut().zip(blocks) {
+                *entry = i64::from(block);
+            }
+            if *extent > used {
+                row[used..*extent].fill(0);
+            }
+            *extent = used;
+        }
+    }
+}
+
+/// Everything but the block tables.
+fn write_inputs(
     buffer: &mut StepBuffer,
     step: u64,
     plan: &StepPlan,
@@ -20,7 +71,6 @@ pub fn write_step(
 ) {
     let layout = *buffer.layout();
     let block_size = block_size as usize;
-    let max_blocks = layout.capacity.max_blocks_per_seq as usize;
     let scheduled = || plan.seqs.iter().map(|s| (s, &running[s.running_index]));
 
     {
@@ -74,14 +124,6 @@ pub fn write_step(
     }
     write_banned_tokens(buffer, plan, running, eos_token_ids);
     write_penalty_histories(buffer, plan, running);
-    let tables = buffer.array_mut(layout.block_tables);
-    for (i, (_, seq)) in scheduled().enumerate() {
-        let row = &mut tables[i * max_blocks..(i + 1) * max_blocks];
-        for (entry, &block) in row.iter_mut().zip(&seq.blocks) {
-            *entry = block as i64;
-        }
-        row[seq.blocks.len().min(max_blocks)..].fill(0);
-    }
 }
 
 /// A sequence's row of sampling parameters: its request's, and its progress for `draw_index`.
@@ -165,5 +207,70 @@ fn write_penalty_histories(buffer: &mut StepBuffer, plan: &StepPlan, running: &[
         } else {
             0
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rivulet_ipc::StepCapacity;
+
+    use super::*;
+    use crate::queue_ticket::QueueTicket;
+    use crate::request::{GenerationRequest, Priority, SamplingParams, StoppingParams};
+    use crate::scheduler::ScheduledSeq;
+
+    /// A resident sequence of `prompt_len` tokens, all computed, holding `blocks`.
+    fn resident(id: u64, prompt_len: usize, blocks: Vec<u32>) -> Sequence {
+        let (events, _) = tokio::sync::mpsc::unbounded_channel();
+        let request = GenerationRequest {
+            id: String::new(),
+            prompt_ids: vec![5; prompt_len],
+            sampling: SamplingParams::greedy(),
+            stopping: StoppingParams::default(),
+            priority: Priority::Normal,
+        };
+        let mut seq = Sequence::new(id, request, events, QueueTicket::untracked());
+        seq.num_computed = prompt_len - 1;
+        seq.blocks = blocks;
+        seq
+    }
+
+    fn one_token_each(count: usize) -> StepPlan {
+        StepPlan {
+            seqs: (0..count)
+                .map(|running_index| ScheduledSeq {
+                    running_index,
+                    num_tokens: 1,
+                    sample: true,
+                })
+                .collect(),
+            num_tokens: count,
+            ..StepPlan::default()
+        }
+    }
+
+    #[test]
+    fn a_row_holds_its_sequences_blocks_then_zeros_whatever_an_earlier_step_left_in_it() {
+        let capacity = StepCapacity {
+            max_tokens: 4,
+            max_seqs: 2,
+            max_blocks_per_seq: 5,
+            max_history_tokens: 16,
+        };
+        let mut buffer = StepBuffer::create(capacity).expect("create");
+        let layout = *buffer.layout();
+        let mut writer = StepWriter::default();
+        let long = vec![resident(1, 8, vec![3, 4, 5, 6]), resident(2, 4, vec![7, 8])];
+        writer.write(&mut buffer, 1, &one_token_each(2), &long, 2, &[]);
+        assert_eq!(buffer.array(layout.block_tables), &[3, 4, 5, 6, 0, 7, 8, 0, 0, 0]);
+        // The first row's new sequence is shorter, the second's longer.
+        let short = vec![resident(3, 2, vec![9]), resident(4, 6, vec![10, 11, 12])];
+        writer.write(&mut buffer, 2, &one_token_each(2), &short, 2, &[]);
+        assert_eq!(buffer.array(layout.block_tables), &[9, 0, 0, 0, 0, 10, 11, 12, 0, 0]);
+        // A step of one sequence leaves the second row alone; it is cleared when next used.
+        writer.write(&mut buffer, 3, &one_token_each(1), &short[1..], 2, &[]);
+        assert_eq!(&buffer.array(layout.block_tables)[..5], &[10, 11, 12, 0, 0]);
+        writer.write(&mut buffer, 4, &one_token_each(2), &short, 2, &[]);
+        assert_eq!(buffer.array(layout.block_tables), &[9, 0, 0, 0, 0, 10, 11, 12, 0, 0]);
     }
 }

@@ -17,7 +17,7 @@ use crate::scheduler::adaptive::TokenBudget;
 use crate::scheduler::{Scheduler, SchedulerLimits, SchedulingPolicy, StepPlan};
 use crate::sequence::Sequence;
 use crate::stats::EngineStats;
-use crate::step_writer::write_step;
+use crate::step_writer::StepWriter;
 use crate::tokenizer::ModelTokenizer;
 use crate::worker_client::StepTiming;
 
@@ -33,6 +33,7 @@ pub struct LiveReplica {
     budget: TokenBudget,
     /// With the engine between steps; with the driver while one runs.
     buffer: Option<Box<StepBuffer>>,
+    writer: StepWriter,
     in_flight: Option<InFlight>,
     last_step: u64,
 }
@@ -61,6 +62,7 @@ impl LiveReplica {
             running: Vec::new(),
             waiting: WaitingQueue::default(),
             buffer: Some(buffer),
+            writer: StepWriter::default(),
             in_flight: None,
             last_step: 0,
         }
@@ -130,7 +132,7 @@ impl LiveReplica {
         let mut buffer = self.buffer.take()?;
         self.last_step += 1;
         stats.record_step_planned(plan.num_tokens, self.scheduler.limits.max_num_batched_tokens);
-        write_step(
+        self.writer.write(
             &mut buffer,
             self.last_step,
             &plan,

@@ -58,35 +58,48 @@ pub fn apply_outputs(
             end => ended.push((scheduled.running_index, end, logprobs)),
         }
     }
-    // Remove from the back so earlier indices stay valid.
-    ended.sort_unstable_by_key(|(index, ..)| std::cmp::Reverse(*index));
-    for (index, end, logprobs) in ended {
-        let mut seq = running.remove(index);
-        seq.release_kv(blocks);
-        let (reason, text) = match end {
-            Outcome::Finished(reason, text) => (reason, text),
-            Outcome::Failed(error) => {
-                let _ = seq.events.send(SequenceEvent::Failed(error));
-                continue;
+    if !ended.is_empty() {
+        // One pass over the list: removing each one alone moved the rest of the list every time,
+        // quadratic when a wave of requests ends in one step.
+        ended.sort_unstable_by_key(|(index, ..)| *index);
+        let mut ended = ended.into_iter().peekable();
+        let resident = std::mem::take(running);
+        running.reserve(resident.len());
+        for (index, seq) in resident.into_iter().enumerate() {
+            match ended.next_if(|(ended_index, ..)| *ended_index == index) {
+                Some((_, end, logprobs)) => finish(seq, end, logprobs, blocks),
+                None => running.push(seq),
             }
-            Outcome::Continue(_) => continue,
-        };
-        let usage = Usage {
-            prompt_tokens: seq.prompt_len() as u32,
-            completion_tokens: seq.num_generated() as u32,
-            cached_prompt_tokens: seq.cached_prompt_tokens as u32,
-        };
-        let last_token = seq.tokens.last().copied().into_iter().collect();
-        let _ = seq.events.send(SequenceEvent::Finished {
-            reason,
-            token_ids: last_token,
-            text,
-            usage,
-            logprobs,
-            queue_time: seq.queue_time.unwrap_or_default(),
-        });
+        }
     }
     generated
+}
+
+/// `seq` leaves with `end`: its blocks are released and its client told.
+fn finish(mut seq: Sequence, end: Outcome, logprobs: Vec<TokenLogprob>, blocks: &mut BlockManager) {
+    seq.release_kv(blocks);
+    let (reason, text) = match end {
+        Outcome::Finished(reason, text) => (reason, text),
+        Outcome::Failed(error) => {
+            let _ = seq.events.send(SequenceEvent::Failed(error));
+            return;
+        }
+        Outcome::Continue(_) => return,
+    };
+    let usage = Usage {
+        prompt_tokens: seq.prompt_len() as u32,
+        completion_tokens: seq.num_generated() as u32,
+        cached_prompt_tokens: seq.cached_prompt_tokens as u32,
+    };
+    let last_token = seq.tokens.last().copied().into_iter().collect();
+    let _ = seq.events.send(SequenceEvent::Finished {
+        reason,
+        token_ids: last_token,
+        text,
+        usage,
+        logprobs,
+        queue_time: seq.queue_time.unwrap_or_default(),
+    });
 }
 
 /// The logprobs of the token sampled in `slot`, when the request asked for them.

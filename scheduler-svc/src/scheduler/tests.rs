@@ -120,6 +120,38 @@ fn the_victim_is_the_lowest_priority_then_the_newest_and_no_block_leaks() {
 }
 
 #[test]
+fn a_preemption_mid_step_leaves_every_planned_index_pointing_at_its_sequence() {
+    // Four resident sequences, each about to need a second block, and two blocks free. The ring
+    // starts at the second: B and C take the free blocks, then D must preempt A, which sits
+    // before all three in `running`, so every planned index moves down by one.
+    let mut r = Vec::new();
+    let mut scheduler = scheduler(4, 64, SchedulingPolicy::Fair);
+    scheduler.round_robin = 1;
+    let mut blocks = blocks(6, 2);
+    let mut running: Vec<Sequence> = [
+        (1, Priority::Low),
+        (2, Priority::Normal),
+        (3, Priority::Normal),
+        (4, Priority::Normal),
+    ]
+    .into_iter()
+    .map(|(id, priority)| {
+        let mut seq = seq(id, 2, priority, &mut r);
+        make_resident_decoding(&mut seq, &mut blocks);
+        seq
+    })
+    .collect();
+    let mut waiting = WaitingQueue::default();
+
+    let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+    assert_eq!(plan.preempted, 1);
+    assert_eq!(shape(&plan, &running), vec![(2, 1, true), (3, 1, true), (4, 1, true)]);
+    assert_eq!(waiting.front().map(|s| (s.id, s.blocks.len())), Some((1, 0)));
+    let held: u32 = running.iter().map(|s| s.blocks.len() as u32).sum();
+    assert_eq!((held, blocks.num_available()), (6, 0));
+}
+
+#[test]
 fn admission_follows_priority_then_arrival_and_the_sequence_limit() {
     let mut r = Vec::new();
     let mut scheduler = scheduler(2, 64, SchedulingPolicy::Fair);
