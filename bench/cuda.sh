@@ -16,9 +16,11 @@
 # greedy tokens, ignore_eos), with the scheduler's own step timings. Figures land in OUT_DIR.
 # The serving runs go once per configuration: `worker.cuda_graphs` off ("eager"), on with decode
 # attention gathering its KV blocks ("gathered"), and on with the paged kernel ("graphs"). Binaries of another build placed
-# beside them with the suffix `-before` (rivulet-worker-before, rivulet-worker-bench-before) are
-# measured too, in the same run, for a side-by-side ratio. CONFIGURATIONS="before graphs" (labels
-# of the ones below) runs only those.
+# beside them with the suffix `-before` (rivulet-scheduler-before, rivulet-worker-before,
+# rivulet-worker-bench-before) are measured too, in the same run, for a side-by-side ratio (the
+# "before" configuration: graphs on, each binary's `-before` build where there is one).
+# CONFIGURATIONS="before graphs" (labels of the ones below) runs only those; ROUNDS=N runs the
+# serving configurations N times, alternating; SERVING_ONLY=1 skips the tests and the worker bench.
 set -uo pipefail
 BIN="$(cd "$1" && pwd)"
 MODEL="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
@@ -33,6 +35,7 @@ export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
 
+if [ -z "${SERVING_ONLY:-}" ]; then
 echo "== worker/tests/cuda.rs"
 # The test looks for the model in its checkout; point it here instead.
 (cd "$BIN" && RIVULET_TEST_MODEL="$MODEL" "$BIN"/cuda-* --nocapture 2>&1 | tee "$OUT/cuda_test.log")
@@ -52,6 +55,8 @@ for run in rivulet-worker-bench-before: rivulet-worker-bench:RIVULET_KERNELS_NO_
         "$BIN/$bench" "$MODEL" 2>&1 | tee -a "$OUT/worker_bench.log"
 done
 
+fi
+
 echo "== rivulet-bench through rivulet-scheduler, one worker on cuda:0"
 export RIVULET_MODEL__PATH="$MODEL"
 export RIVULET_WORKER__DEVICE=cuda:0
@@ -66,20 +71,25 @@ serve() {
     shift 2
     "$BIN/rivulet-bench" run --tokenizer "$MODEL" --num-prompts $((clients * 2 < 16 ? 16 : clients * 2)) \
         --max-concurrency "$clients" --random-input-len 128 --random-output-len 128 --ignore-eos --no-progress \
-        --admin-url http://127.0.0.1:50052 --label "$label" --json "$OUT/bench.jsonl" "$@" >>"$OUT/bench.log" 2>&1
+        --admin-url http://127.0.0.1:50052 --label "$label r$round" --json "$OUT/bench.jsonl" "$@" >>"$OUT/bench.log" 2>&1
 }
-# Each configuration: a label, the worker binary, `worker.cuda_graphs`, and optionally one
-# VARIABLE=value for the worker ("gathered": decode attention gathering its KV blocks, as before
-# the paged kernel).
-configurations=("eager rivulet-worker false" "gathered rivulet-worker true RIVULET_KERNELS_NO_CUDA_PAGED_ATTENTION=1"
-    "graphs rivulet-worker true")
-[ -x "$BIN/rivulet-worker-before" ] && configurations=("before rivulet-worker-before true" "${configurations[@]}")
+# Each configuration: a label, the scheduler and worker binaries, `worker.cuda_graphs`, and
+# optionally one VARIABLE=value for the worker ("gathered": decode attention gathering its KV
+# blocks, as before the paged kernel).
+configurations=("eager rivulet-scheduler rivulet-worker false"
+    "gathered rivulet-scheduler rivulet-worker true RIVULET_KERNELS_NO_CUDA_PAGED_ATTENTION=1"
+    "graphs rivulet-scheduler rivulet-worker true")
+before_build() { [ -x "$BIN/$1-before" ] && echo "$1-before" || echo "$1"; }
+if [ -x "$BIN/rivulet-worker-before" ] || [ -x "$BIN/rivulet-scheduler-before" ]; then
+    configurations=("before $(before_build rivulet-scheduler) $(before_build rivulet-worker) true" "${configurations[@]}")
+fi
+for round in $(seq "${ROUNDS:-1}"); do
 for configuration in "${configurations[@]}"; do
-    read -r label worker graphs variable <<<"$configuration"
+    read -r label scheduler_binary worker graphs variable <<<"$configuration"
     [[ " ${CONFIGURATIONS:-$label} " == *" $label "* ]] || continue
-    echo "== $label"
+    echo "== $label (round $round)"
     env ${variable:+"$variable"} RIVULET_WORKER__BINARY="$BIN/$worker" RIVULET_WORKER__CUDA_GRAPHS=$graphs \
-        "$BIN/rivulet-scheduler" >"$OUT/scheduler-$label.log" 2>&1 &
+        "$BIN/$scheduler_binary" >"$OUT/scheduler-$label.log" 2>&1 &
     scheduler=$!
     "$BIN/rivulet-bench" wait-ready --timeout-secs 180 || { tail -30 "$OUT/scheduler-$label.log"; kill $scheduler; continue; }
     # Sampled rather than greedy (temperature 1, top-p 0.9): the libtorch sampler's every stage.
@@ -90,6 +100,7 @@ for configuration in "${configurations[@]}"; do
     kill $scheduler
     wait $scheduler 2>/dev/null
     grep -iE "graph|panic|error" "$OUT/scheduler-$label.log" | grep -v "request finished" | head -5
+done
 done
 # The summary: one line per run.
 grep -E "^=+ .* clients|Output token throughput|P50 TTFT|P50 TPOT|Rivulet steps" "$OUT/bench.log"

@@ -69,6 +69,8 @@ pub struct StepCost {
     pub iterations: u64,
     pub mean_step_ms: f64,
     pub mean_forward_ms: f64,
+    /// Planning, writing the step buffer and applying outputs, per step.
+    pub mean_scheduler_ms: f64,
     /// Planning, writing the step buffer and applying outputs, over step time.
     pub scheduler_share: f64,
     /// Everything outside the forward pass (scheduler, IPC round trip, worker bookkeeping), over step time.
@@ -93,6 +95,7 @@ impl StepCounters {
             iterations,
             mean_step_ms: per_iteration(step),
             mean_forward_ms: per_iteration(forward),
+            mean_scheduler_ms: per_iteration(scheduler),
             scheduler_share: share(scheduler),
             outside_forward_share: share(step - forward),
         }
@@ -103,11 +106,12 @@ impl std::fmt::Display for StepCost {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "Rivulet steps: {} iterations, mean step {:.2} ms, mean forward {:.2} ms; scheduler {:.2}% of the step, \
-             everything outside the forward pass {:.2}%",
+            "Rivulet steps: {} iterations, mean step {:.2} ms, mean forward {:.2} ms; scheduler {:.3} ms, {:.2}% of the \
+             step, everything outside the forward pass {:.2}%",
             self.iterations,
             self.mean_step_ms,
             self.mean_forward_ms,
+            self.mean_scheduler_ms,
             self.scheduler_share * 100.0,
             self.outside_forward_share * 100.0
         )
@@ -136,6 +140,7 @@ mod tests {
         assert_eq!(cost.iterations, 100);
         assert!((cost.mean_step_ms - 1.0).abs() < 1e-12);
         assert!((cost.mean_forward_ms - 0.97).abs() < 1e-12);
+        assert!((cost.mean_scheduler_ms - 0.02).abs() < 1e-12);
         assert!((cost.scheduler_share - 0.02).abs() < 1e-12);
         assert!((cost.outside_forward_share - 0.03).abs() < 1e-12);
     }
