@@ -34,6 +34,7 @@ use crate::model_limits::ModelLimits;
 use crate::queue::WaitingQueue;
 use crate::replica::attach_listener::AttachListener;
 use crate::replica::driver::{DriverHandle, WorkerSource};
+use crate::replica::outbox::Outbox;
 use crate::replica::{Replica, ReplicaId, ReplicaOrigin, ReplicaState};
 use crate::request::{EngineError, SequenceEvent};
 use crate::scheduler::adaptive::{AdaptiveBatching, TokenBudget};
@@ -154,6 +155,8 @@ struct Engine {
     /// Requests no replica has taken yet (none is ready, or they lost theirs).
     unrouted: WaitingQueue,
     stats: EngineStats,
+    /// Finished steps' events for their clients, sent once the next steps are out.
+    outbox: Outbox,
     inputs: Receiver<EngineInput>,
     /// For the drivers the engine starts.
     input_sender: Sender<EngineInput>,
@@ -203,6 +206,7 @@ impl Engine {
             replicas: Vec::new(),
             unrouted: WaitingQueue::default(),
             stats,
+            outbox: Outbox::default(),
             inputs,
             input_sender,
             handles_open: true,
@@ -231,6 +235,7 @@ impl Engine {
             self.rebalance_waiting();
             self.retire_drained();
             self.start_steps();
+            self.outbox.flush();
             self.publish_health();
         }
         self.shut_down();
@@ -417,6 +422,7 @@ impl Engine {
     }
 
     fn fail_everything(&mut self, error: &EngineError) {
+        self.outbox.flush(); // the held events come before the failure
         for seq in self.unrouted.drain() {
             let _ = seq.events.send(SequenceEvent::Failed(error.clone()));
         }
@@ -454,6 +460,7 @@ impl Engine {
 
     /// Lets every worker go (each exits, its step buffer unlinked) and waits for the drivers.
     fn shut_down(mut self) {
+        self.outbox.flush();
         self.attach_listener = None;
         let _ = self.serving.send(false);
         let replicas = std::mem::take(&mut self.replicas);

@@ -84,7 +84,7 @@ impl Engine {
             ReplicaEvent::StepDone { step, buffer, timing } if current => {
                 replica.steps += 1;
                 if let Some(live) = replica.live.as_mut() {
-                    live.finish_step(step, buffer, timing, &self.tokenizer, &mut self.stats);
+                    live.finish_step(step, buffer, timing, &self.tokenizer, &mut self.stats, &mut self.outbox);
                 }
             }
             ReplicaEvent::Ready { .. } | ReplicaEvent::StepDone { .. } => {}
@@ -143,6 +143,8 @@ impl Engine {
     /// The replica's worker is gone with its KV cache: its block manager and prefix cache go with
     /// it, and its sequences move to the unrouted queue, to be recomputed on another replica.
     pub(super) fn lose_worker(&mut self, index: usize) {
+        // What its last step said goes out first: the sequences' later events may be sent directly.
+        self.outbox.flush();
         let replica = &mut self.replicas[index];
         replica.pid = None;
         if let Some(live) = replica.live.take() {

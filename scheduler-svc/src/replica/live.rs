@@ -21,6 +21,7 @@ use crate::step_writer::StepWriter;
 use crate::tokenizer::ModelTokenizer;
 use crate::worker_client::StepTiming;
 
+use super::outbox::Outbox;
 use super::outputs::{apply_outputs, OutputContext};
 
 pub struct LiveReplica {
@@ -149,7 +150,7 @@ impl LiveReplica {
         Some((self.last_step, buffer))
     }
 
-    /// Applies the outputs of a step the worker finished.
+    /// Applies the outputs of a step the worker finished, the clients' events into `outbox`.
     pub fn finish_step(
         &mut self,
         step: u64,
@@ -157,6 +158,7 @@ impl LiveReplica {
         timing: StepTiming,
         tokenizer: &ModelTokenizer,
         stats: &mut EngineStats,
+        outbox: &mut Outbox,
     ) {
         let returned = Instant::now();
         let Some(in_flight) = self.in_flight.take_if(|f| f.step == step) else {
@@ -168,7 +170,14 @@ impl LiveReplica {
             max_model_len: self.ready.max_model_len as usize,
         };
         self.budget.observe(in_flight.plan.num_tokens, timing.worker);
-        let generated = apply_outputs(&mut self.running, &mut self.blocks, &in_flight.plan, &buffer, &context);
+        let generated = apply_outputs(
+            &mut self.running,
+            &mut self.blocks,
+            &in_flight.plan,
+            &buffer,
+            &context,
+            outbox,
+        );
         stats.record_tokens(generated);
         stats.record_step(
             in_flight.started.elapsed(),

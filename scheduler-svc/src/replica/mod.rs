@@ -11,6 +11,7 @@
 pub mod attach_listener;
 pub mod driver;
 pub mod live;
+pub mod outbox;
 pub mod outputs;
 
 use driver::DriverHandle;

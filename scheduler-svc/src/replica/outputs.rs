@@ -1,10 +1,12 @@
 //! Applying a finished step's outputs to the replica's running sequences: the sampled token is
 //! appended and handed to [`completion`], which says what text it completes and whether the
-//! sequence ends; the text is streamed; finished sequences leave with their blocks released.
+//! sequence ends; the text goes to the outbox for its client; finished sequences leave with their
+//! blocks released.
 
 use rivulet_ipc::layout::MAX_TOP_LOGPROBS;
 use rivulet_ipc::StepBuffer;
 
+use super::outbox::Outbox;
 use crate::block_manager::BlockManager;
 use crate::completion::{self, Outcome};
 use crate::request::{SamplingParams, SequenceEvent, TokenLogprob, Usage};
@@ -19,13 +21,15 @@ pub struct OutputContext<'a> {
     pub max_model_len: usize,
 }
 
-/// Applies the outputs of `plan` from `buffer`; returns how many tokens were generated.
+/// Applies the outputs of `plan` from `buffer`, the clients' events into `outbox`; returns how
+/// many tokens were generated.
 pub fn apply_outputs(
     running: &mut Vec<Sequence>,
     blocks: &mut BlockManager,
     plan: &StepPlan,
     buffer: &StepBuffer,
     context: &OutputContext<'_>,
+    outbox: &mut Outbox,
 ) -> u64 {
     let sampled = buffer.array(buffer.layout().sampled_tokens);
     let sampled_logprobs = buffer.array(buffer.layout().sampled_logprobs);
@@ -48,13 +52,14 @@ pub fn apply_outputs(
         generated += 1;
         let logprobs = read_logprobs(buffer, slot, token, &seq.request.sampling);
         match completion::after_token(seq, sampled_logprobs[slot], &limits, context.tokenizer) {
-            Outcome::Continue(text) => {
-                let _ = seq.events.send(SequenceEvent::Tokens {
+            Outcome::Continue(text) => outbox.push(
+                seq.events.clone(),
+                SequenceEvent::Tokens {
                     token_ids: vec![token],
                     text,
                     logprobs,
-                });
-            }
+                },
+            ),
             end => ended.push((scheduled.running_index, end, logprobs)),
         }
     }
@@ -67,7 +72,7 @@ pub fn apply_outputs(
         running.reserve(resident.len());
         for (index, seq) in resident.into_iter().enumerate() {
             match ended.next_if(|(ended_index, ..)| *ended_index == index) {
-                Some((_, end, logprobs)) => finish(seq, end, logprobs, blocks),
+                Some((_, end, logprobs)) => finish(seq, end, logprobs, blocks, outbox),
                 None => running.push(seq),
             }
         }
@@ -75,13 +80,19 @@ pub fn apply_outputs(
     generated
 }
 
-/// `seq` leaves with `end`: its blocks are released and its client told.
-fn finish(mut seq: Sequence, end: Outcome, logprobs: Vec<TokenLogprob>, blocks: &mut BlockManager) {
+/// `seq` leaves with `end`: its blocks are released and its client's last event goes out.
+fn finish(
+    mut seq: Sequence,
+    end: Outcome,
+    logprobs: Vec<TokenLogprob>,
+    blocks: &mut BlockManager,
+    outbox: &mut Outbox,
+) {
     seq.release_kv(blocks);
     let (reason, text) = match end {
         Outcome::Finished(reason, text) => (reason, text),
         Outcome::Failed(error) => {
-            let _ = seq.events.send(SequenceEvent::Failed(error));
+            outbox.push(seq.events, SequenceEvent::Failed(error));
             return;
         }
         Outcome::Continue(_) => return,
@@ -92,14 +103,15 @@ fn finish(mut seq: Sequence, end: Outcome, logprobs: Vec<TokenLogprob>, blocks: 
         cached_prompt_tokens: seq.cached_prompt_tokens as u32,
     };
     let last_token = seq.tokens.last().copied().into_iter().collect();
-    let _ = seq.events.send(SequenceEvent::Finished {
+    let finished = SequenceEvent::Finished {
         reason,
         token_ids: last_token,
         text,
         usage,
         logprobs,
         queue_time: seq.queue_time.unwrap_or_default(),
-    });
+    };
+    outbox.push(seq.events, finished);
 }
 
 /// The logprobs of the token sampled in `slot`, when the request asked for them.
