@@ -64,12 +64,13 @@ export RIVULET_WORKER__KV_CACHE_MEMORY_FRACTION=0.5
 export RIVULET_SCHEDULER__MAX_NUM_SEQS=1024
 export RIVULET_SCHEDULER__MAX_NUM_BATCHED_TOKENS=8192
 export RIVULET_SCHEDULER__MAX_QUEUED_REQUESTS=4096
-# serve CLIENTS LABEL [rivulet-bench flags...]: 128-token random prompts, twice as many as clients
-# (16 at least), 128 tokens each, through the scheduler running now.
+# serve CLIENTS LABEL [rivulet-bench flags...]: 128-token random prompts, PROMPTS_PER_CLIENT
+# (default 2) times as many as clients (16 at least), 128 tokens each, through the scheduler
+# running now.
 serve() {
     local clients=$1 label=$2
     shift 2
-    "$BIN/rivulet-bench" run --tokenizer "$MODEL" --num-prompts $((clients * 2 < 16 ? 16 : clients * 2)) \
+    "$BIN/rivulet-bench" run --tokenizer "$MODEL" --num-prompts $((clients * ${PROMPTS_PER_CLIENT:-2} < 16 ? 16 : clients * ${PROMPTS_PER_CLIENT:-2})) \
         --max-concurrency "$clients" --random-input-len 128 --random-output-len 128 --ignore-eos --no-progress \
         --admin-url http://127.0.0.1:50052 --label "$label r$round" --json "$OUT/bench.jsonl" "$@" >>"$OUT/bench.log" 2>&1
 }
