@@ -30,7 +30,61 @@ impl StepWriter {
         block_size: u32,
         eos_token_ids: &[u32],
     ) {
-        write_inputs(buffer, step, plan, running, block_size, eos_token_ids);
+        let layout = *buffer.layout();
+        let block_size = block_size as usize;
+        let scheduled = || plan.seqs.iter().map(|s| (s, &running[s.running_index]));
+
+        {
+            let header = buffer.header_mut();
+            header.step = step;
+            header.num_tokens = plan.num_tokens as u32;
+            header.num_seqs = plan.seqs.len() as u32;
+        }
+        let input_ids = buffer.array_mut(layout.input_ids);
+        let mut t = 0;
+        for (s, seq) in scheduled() {
+            for &token in &seq.tokens[seq.num_computed..seq.num_computed + s.num_tokens] {
+                input_ids[t] = token as i64;
+                t += 1;
+            }
+        }
+        let positions = buffer.array_mut(layout.positions);
+        let mut t = 0;
+        for (s, seq) in scheduled() {
+            for position in seq.num_computed..seq.num_computed + s.num_tokens {
+                positions[t] = position as i64;
+                t += 1;
+            }
+        }
+        let slots = buffer.array_mut(layout.slot_mapping);
+        let mut t = 0;
+        for (s, seq) in scheduled() {
+            for position in seq.num_computed..seq.num_computed + s.num_tokens {
+                slots[t] = (seq.blocks[position / block_size] as usize * block_size + position % block_size) as i64;
+                t += 1;
+            }
+        }
+        let query_start = buffer.array_mut(layout.query_start);
+        let mut start = 0;
+        for (i, (s, _)) in scheduled().enumerate() {
+            query_start[i] = start;
+            start += s.num_tokens as i64;
+        }
+        query_start[plan.seqs.len()] = start;
+        let context_lens = buffer.array_mut(layout.context_lens);
+        for (i, (s, seq)) in scheduled().enumerate() {
+            context_lens[i] = (seq.num_computed + s.num_tokens) as i64;
+        }
+        let sample = buffer.array_mut(layout.sample);
+        for (i, (s, _)) in scheduled().enumerate() {
+            sample[i] = i64::from(s.sample);
+        }
+        let sampling = buffer.array_mut(layout.sampling);
+        for (i, (_, seq)) in scheduled().enumerate() {
+            sampling[i] = sampling_row(seq);
+        }
+        write_banned_tokens(buffer, plan, running, eos_token_ids);
+        write_penalty_histories(buffer, plan, running);
         self.write_block_tables(buffer, plan, running);
     }
 
@@ -58,72 +112,6 @@ impl StepWriter {
             *extent = used;
         }
     }
-}
-
-/// Everything but the block tables.
-fn write_inputs(
-    buffer: &mut StepBuffer,
-    step: u64,
-    plan: &StepPlan,
-    running: &[Sequence],
-    block_size: u32,
-    eos_token_ids: &[u32],
-) {
-    let layout = *buffer.layout();
-    let block_size = block_size as usize;
-    let scheduled = || plan.seqs.iter().map(|s| (s, &running[s.running_index]));
-
-    {
-        let header = buffer.header_mut();
-        header.step = step;
-        header.num_tokens = plan.num_tokens as u32;
-        header.num_seqs = plan.seqs.len() as u32;
-    }
-    let input_ids = buffer.array_mut(layout.input_ids);
-    let mut t = 0;
-    for (s, seq) in scheduled() {
-        for &token in &seq.tokens[seq.num_computed..seq.num_computed + s.num_tokens] {
-            input_ids[t] = token as i64;
-            t += 1;
-        }
-    }
-    let positions = buffer.array_mut(layout.positions);
-    let mut t = 0;
-    for (s, seq) in scheduled() {
-        for position in seq.num_computed..seq.num_computed + s.num_tokens {
-            positions[t] = position as i64;
-            t += 1;
-        }
-    }
-    let slots = buffer.array_mut(layout.slot_mapping);
-    let mut t = 0;
-    for (s, seq) in scheduled() {
-        for position in seq.num_computed..seq.num_computed + s.num_tokens {
-            slots[t] = (seq.blocks[position / block_size] as usize * block_size + position % block_size) as i64;
-            t += 1;
-        }
-    }
-    let query_start = buffer.array_mut(layout.query_start);
-    let mut start = 0;
-    for (i, (s, _)) in scheduled().enumerate() {
-        query_start[i] = start;
-        start += s.num_tokens as i64;
-    }
-    query_start[plan.seqs.len()] = start;
-    let context_lens = buffer.array_mut(layout.context_lens);
-    for (i, (s, seq)) in scheduled().enumerate() {
-        context_lens[i] = (seq.num_computed + s.num_tokens) as i64;
-    }
-    let sample = buffer.array_mut(layout.sample);
-    for (i, (s, _)) in scheduled().enumerate() {
-        sample[i] = i64::from(s.sample);
-    }
-    let sampling = buffer.array_mut(layout.sampling);
-    for (i, (_, seq)) in scheduled().enumerate() {
-        sampling[i] = sampling_row(seq);
-    }
-    write_banned_tokens(buffer, plan, running, eos_token_ids);
-    write_penalty_histories(buffer, plan, running);
 }
 
 /// A sequence's row of sampling parameters: its request's, and its progress for `draw_index`.
