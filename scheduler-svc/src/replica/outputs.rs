@@ -37,8 +37,7 @@ pub fn apply_outputs(
         eos_token_ids: context.eos_token_ids,
         max_model_len: context.max_model_len,
     };
-    // Sequences whose outcome ends them: (index in `running`, outcome, the last token's logprobs).
-    let mut ended: Vec<(usize, Outcome, Vec<TokenLogprob>)> = Vec::new();
+    let mut ended: Vec<Ending> = Vec::new();
     let mut generated = 0;
     for (slot, scheduled) in plan.seqs.iter().enumerate() {
         let seq = &mut running[scheduled.running_index];
@@ -60,19 +59,23 @@ pub fn apply_outputs(
                     logprobs,
                 },
             ),
-            end => ended.push((scheduled.running_index, end, logprobs)),
+            outcome => ended.push(Ending {
+                running_index: scheduled.running_index,
+                outcome,
+                logprobs,
+            }),
         }
     }
     if !ended.is_empty() {
         // One pass over the list: removing each one alone moved the rest of the list every time,
         // quadratic when a wave of requests ends in one step.
-        ended.sort_unstable_by_key(|(index, ..)| *index);
+        ended.sort_unstable_by_key(|end| end.running_index);
         let mut ended = ended.into_iter().peekable();
         let resident = std::mem::take(running);
         running.reserve(resident.len());
         for (index, seq) in resident.into_iter().enumerate() {
-            match ended.next_if(|(ended_index, ..)| *ended_index == index) {
-                Some((_, end, logprobs)) => finish(seq, end, logprobs, blocks, outbox),
+            match ended.next_if(|end| end.running_index == index) {
+                Some(end) => finish(seq, end, blocks, outbox),
                 None => running.push(seq),
             }
         }
@@ -80,16 +83,19 @@ pub fn apply_outputs(
     generated
 }
 
-/// `seq` leaves with `end`: its blocks are released and its client's last event goes out.
-fn finish(
-    mut seq: Sequence,
-    end: Outcome,
+/// A sequence this step ended.
+struct Ending {
+    running_index: usize,
+    outcome: Outcome,
+    /// Its last token's logprobs, when its request asked for them.
     logprobs: Vec<TokenLogprob>,
-    blocks: &mut BlockManager,
-    outbox: &mut Outbox,
-) {
+}
+
+/// `seq` leaves as `end` says: its blocks are released and its client's last event goes out.
+fn finish(mut seq: Sequence, end: Ending, blocks: &mut BlockManager, outbox: &mut Outbox) {
     seq.release_kv(blocks);
-    let (reason, text) = match end {
+    let Ending { outcome, logprobs, .. } = end;
+    let (reason, text) = match outcome {
         Outcome::Finished(reason, text) => (reason, text),
         Outcome::Failed(error) => {
             outbox.push(seq.events, SequenceEvent::Failed(error));
