@@ -205,7 +205,6 @@ mod tests {
     use super::*;
     use crate::queue_ticket::QueueTicket;
     use crate::request::{GenerationRequest, Priority, SamplingParams, StoppingParams};
-    use crate::scheduler::ScheduledSeq;
 
     /// A resident sequence of `prompt_len` tokens, all computed, holding `blocks`.
     fn resident(id: u64, prompt_len: usize, blocks: Vec<u32>) -> Sequence {

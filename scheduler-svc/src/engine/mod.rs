@@ -437,7 +437,7 @@ impl Engine {
             let replica = &mut self.replicas[index];
             let incarnation = replica.incarnation;
             let Some(live) = replica.live.as_mut() else { continue };
-            let Some((step, buffer)) = live.begin_step(&mut self.stats) else {
+            let Some((step, buffer)) = live.begin_step(&mut self.stats, &mut self.outbox) else {
                 continue;
             };
             if !replica.driver.run_step(incarnation, step, buffer) {

@@ -103,8 +103,9 @@ impl LiveReplica {
     }
 
     /// Plans the next step and writes it into the step buffer; returns its number and the buffer
-    /// for the driver, or `None` when there is nothing to run.
-    pub fn begin_step(&mut self, stats: &mut EngineStats) -> Option<(u64, Box<StepBuffer>)> {
+    /// for the driver, or `None` when there is nothing to run. A sequence that cannot run at all
+    /// is failed through `outbox`, behind what its client has not been sent yet.
+    pub fn begin_step(&mut self, stats: &mut EngineStats, outbox: &mut Outbox) -> Option<(u64, Box<StepBuffer>)> {
         if self.is_stepping() || !self.has_work() {
             return None;
         }
@@ -121,12 +122,11 @@ impl LiveReplica {
             // Nothing fits even alone (a cache smaller than validation assumed): never spin on it.
             if let Some(seq) = self.waiting.pop_front() {
                 let capacity = self.capacity_tokens();
-                let _ = seq
-                    .events
-                    .send(SequenceEvent::Failed(EngineError::WorkerUnavailable(format!(
-                        "the request ({} tokens) does not fit in this worker's KV cache of {capacity} tokens",
-                        seq.tokens.len()
-                    ))));
+                let error = EngineError::WorkerUnavailable(format!(
+                    "the request ({} tokens) does not fit in this worker's KV cache of {capacity} tokens",
+                    seq.tokens.len()
+                ));
+                outbox.push(seq.events, SequenceEvent::Failed(error));
             }
             return None;
         }

@@ -5,7 +5,8 @@
 //! often a system call to wake one of its threads): at 1024 sequences that was most of the engine's
 //! time between two steps on a GPU, time in which the GPU waited. Sent after the next step is out,
 //! the same events cost the step nothing. Each client's events keep their order: only the engine
-//! thread sends, it flushes before it waits for anything, and the paths that fail sequences
+//! thread sends, it flushes before it waits for anything, a sequence that the next step's planning
+//! finds cannot run at all is failed through the outbox, and the paths that fail sequences
 //! directly between a step's return and the flush (a lost worker, the drain's deadline) flush
 //! first.
 
