@@ -45,9 +45,14 @@ impl WaitingQueue {
     }
 
     /// Takes out the sequence with this id, wherever it waits.
+    ///
+    /// Each class is searched from both ends at once: FAIR and THROUGHPUT_FIRST admit from a
+    /// class's front and LATENCY_FIRST its youngest, at the back, so either is found in a step or
+    /// two however many wait (a search from the front made LATENCY_FIRST's admissions quadratic
+    /// in the queue's length).
     pub fn remove(&mut self, id: SequenceId) -> Option<Sequence> {
         self.classes.iter_mut().find_map(|class| {
-            let index = class.iter().position(|seq| seq.id == id)?;
+            let index = position_from_both_ends(class, id)?;
             class.remove(index)
         })
     }
@@ -70,6 +75,23 @@ impl WaitingQueue {
     pub fn drain(&mut self) -> impl Iterator<Item = Sequence> + '_ {
         self.classes.iter_mut().rev().flat_map(|class| class.drain(..))
     }
+}
+
+/// The index of the sequence with this id in `class`, looking at both ends first and moving
+/// inwards.
+fn position_from_both_ends(class: &VecDeque<Sequence>, id: SequenceId) -> Option<usize> {
+    let (mut front, mut back) = (0, class.len());
+    while front < back {
+        if class[front].id == id {
+            return Some(front);
+        }
+        back -= 1;
+        if class[back].id == id {
+            return Some(back);
+        }
+        front += 1;
+    }
+    None
 }
 
 #[cfg(test)]
@@ -112,5 +134,26 @@ mod tests {
         let order: Vec<u64> = std::iter::from_fn(|| queue.pop_front()).map(|s| s.id).collect();
         assert_eq!(order, vec![3, 5, 6, 1, 4, 2]);
         assert!(queue.is_empty());
+    }
+
+    /// A sequence is found wherever it waits in its class (either end, the middle, next to the
+    /// middle of an even or odd count), and an id that does not wait is not.
+    #[test]
+    fn removes_from_any_position_of_a_class() {
+        for count in 1..=6u64 {
+            for target in 1..=count {
+                let mut queue = WaitingQueue::default();
+                (1..=count).for_each(|id| queue.push_back(seq(id, Priority::Normal)));
+                queue.push_back(seq(100, Priority::High));
+                assert_eq!(queue.remove(target).map(|s| s.id), Some(target), "{target} of {count}");
+                assert!(queue.remove(target).is_none());
+                assert!(queue.remove(99).is_none());
+                let rest: Vec<u64> = queue.iter().map(|s| s.id).collect();
+                let expected: Vec<u64> = std::iter::once(100)
+                    .chain((1..=count).filter(|&id| id != target))
+                    .collect();
+                assert_eq!(rest, expected);
+            }
+        }
     }
 }
