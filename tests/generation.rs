@@ -69,23 +69,28 @@ async fn greedy_continuations_match_transformers_token_for_token() {
 
 /// vLLM's chat options against transformers' `apply_chat_template` with the same flags: the
 /// conversation as messages gives the tokens the reference's rendered prompt gives as token ids,
-/// and the same prompt length; an explicit conflict is refused naming the field.
+/// and the same prompt length; an explicit conflict is refused naming the field. Besides each
+/// ending of one conversation: an empty and a blank last message continued (their turn left
+/// open), and the `developer` role, handed to the template as it came.
 #[tokio::test(flavor = "multi_thread")]
 async fn chat_endings_render_as_transformers_renders_them() {
-    let messages = json!([
+    let conversation = json!([
         {"role": "user", "content": "Name three colours."},
         {"role": "assistant", "content": "Sure! The three colours are"},
     ]);
-    let as_proto: Vec<ChatMessage> = serde_json::from_value::<Vec<serde_json::Value>>(messages.clone())
-        .expect("messages")
-        .iter()
-        .map(|m| ChatMessage {
-            role: m["role"].as_str().expect("role").to_owned(),
-            content: m["content"].as_str().expect("content").to_owned(),
-        })
+    let mut cases: Vec<(serde_json::Value, Option<bool>, bool)> = [(None, false), (Some(false), false), (None, true)]
+        .into_iter()
+        .map(|(add, continuing)| (conversation.clone(), add, continuing))
         .collect();
+    for blank in ["", "  "] {
+        let messages = json!([{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": blank}]);
+        cases.push((messages, None, true));
+    }
+    let developer = json!([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]);
+    cases.push((developer, None, false));
     let mut client = shared_server().client().await;
-    for (add_generation_prompt, continue_final_message) in [(None, false), (Some(false), false), (None, true)] {
+    for (messages, add_generation_prompt, continue_final_message) in cases {
+        let as_proto = proto_messages(&messages);
         let reference = tokio::task::spawn_blocking({
             let messages = messages.clone();
             move || {
@@ -107,7 +112,7 @@ async fn chat_endings_render_as_transformers_renders_them() {
         let by_messages = client
             .generate(GenerateRequest {
                 prompt: String::new(),
-                messages: as_proto.clone(),
+                messages: as_proto,
                 add_generation_prompt,
                 continue_final_message,
                 ..greedy_request("", 12)
@@ -134,7 +139,7 @@ async fn chat_endings_render_as_transformers_renders_them() {
     let conflict = client
         .generate(GenerateRequest {
             prompt: String::new(),
-            messages: as_proto,
+            messages: proto_messages(&conversation),
             add_generation_prompt: Some(true),
             continue_final_message: true,
             ..greedy_request("", 4)
@@ -143,6 +148,19 @@ async fn chat_endings_render_as_transformers_renders_them() {
         .expect_err("both flags");
     assert_eq!(conflict.code(), Code::InvalidArgument);
     assert!(conflict.message().starts_with("continue_final_message"), "{conflict:?}");
+}
+
+/// `[{"role": …, "content": …}]` as the gRPC request's messages.
+fn proto_messages(messages: &serde_json::Value) -> Vec<ChatMessage> {
+    messages
+        .as_array()
+        .expect("an array of messages")
+        .iter()
+        .map(|m| ChatMessage {
+            role: m["role"].as_str().expect("role").to_owned(),
+            content: m["content"].as_str().expect("content").to_owned(),
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread")]

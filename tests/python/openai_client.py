@@ -210,6 +210,13 @@ try:
 except openai.BadRequestError as error:
     check(error.body["param"] == "n", f"{error.body}")
 try:
+    client.chat.completions.create(model=model, messages=expected["chat"], max_completion_tokens=0)
+    check(False, "a zero max_completion_tokens is refused")
+except openai.BadRequestError as error:
+    # Named as the client named it, not as its older alias max_tokens.
+    check(error.body["param"] == "max_completion_tokens", f"{error.body}")
+    check(error.body["message"].startswith("max_completion_tokens:"), f"{error.body}")
+try:
     client.completions.create(model=model, prompt=prompt, extra_body={"guided_json": {}})
     check(False, "an unknown parameter is refused")
 except openai.BadRequestError as error:

@@ -80,40 +80,63 @@ impl ChatTemplate {
             .env
             .get_template("chat")
             .map_err(|e| ChatTemplateError::Render(e.to_string()))?;
+        let continuing = match (ending, messages.split_last()) {
+            (ChatEnding::ContinueLastMessage, Some((last, _))) => Some(last),
+            _ => None,
+        };
+        let values: Vec<Value> = match continuing {
+            // The last message carries a marker where its content ends (see `cut_at_marker`).
+            Some(last) => messages[..messages.len() - 1]
+                .iter()
+                .map(ChatMessage::to_value)
+                .chain([ChatMessage {
+                    role: last.role.clone(),
+                    content: format!("{}{CONTINUE_MARKER}", last.content),
+                }
+                .to_value()])
+                .collect(),
+            None => messages.iter().map(ChatMessage::to_value).collect(),
+        };
         let rendered = template
             .render(context! {
-                messages => Value::from(messages.iter().map(ChatMessage::to_value).collect::<Vec<_>>()),
+                messages => Value::from(values),
                 add_generation_prompt => ending == ChatEnding::AssistantTurn,
                 bos_token => self.bos_token.as_str(),
                 eos_token => self.eos_token.as_str(),
             })
             .map_err(|e| ChatTemplateError::Render(e.to_string()))?;
-        match (ending, messages.last()) {
-            (ChatEnding::ContinueLastMessage, Some(last)) => cut_after_last_message(rendered, &last.content),
-            _ => Ok(rendered),
+        match continuing {
+            Some(last) => cut_at_marker(rendered, &last.content),
+            None => Ok(rendered),
         }
     }
 }
 
-/// `rendered` up to the end of the last message's content, as transformers'
-/// `continue_final_message` cuts it: at the content's last occurrence, or (for templates that
-/// strip messages) at the stripped content's.
-fn cut_after_last_message(mut rendered: String, content: &str) -> Result<String, ChatTemplateError> {
-    if content.trim().is_empty() {
-        return Err(ChatTemplateError::Render(
-            "continue_final_message: the last message is empty, so there is nothing to continue".to_owned(),
-        ));
-    }
-    let end = [content, content.trim()]
-        .into_iter()
-        .find_map(|needle| rendered.rfind(needle).map(|at| at + needle.len()))
+/// What transformers' `apply_chat_template` appends to the last message's content for
+/// `continue_final_message`, to find where the template put its end (the same text, so that a
+/// template that looks at the content sees what it sees there).
+const CONTINUE_MARKER: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// `rendered` (with [`CONTINUE_MARKER`] after the last message's content) cut where that content
+/// ends, as transformers cuts it: at the marker's last occurrence, and where the template dropped
+/// the marker's trailing space (it strips messages), without the whitespace before it either. An
+/// empty or blank last message leaves its turn open with nothing (or its blanks) in it.
+fn cut_at_marker(mut rendered: String, content: &str) -> Result<String, ChatTemplateError> {
+    let marker = CONTINUE_MARKER.trim_end();
+    let at = rendered
+        .rfind(marker)
+        .filter(|_| rendered.contains(content.trim()))
         .ok_or_else(|| {
             ChatTemplateError::Render(
                 "continue_final_message: the chat template does not show the last message's content, so it cannot be continued"
                     .to_owned(),
             )
         })?;
-    rendered.truncate(end);
+    let spacing_kept = rendered[at..].starts_with(CONTINUE_MARKER);
+    rendered.truncate(at);
+    if !spacing_kept {
+        rendered.truncate(rendered.trim_end().len());
+    }
     Ok(rendered)
 }
 
@@ -170,6 +193,37 @@ mod tests {
                 .render(&messages, ChatEnding::ContinueLastMessage)
                 .expect("renders"),
             "<|im_start|>user\nSay yes<|im_end|>\n<|im_start|>assistant\nyes"
+        );
+        // An empty or blank last message: its turn opened (this template strips messages, and
+        // transformers then strips what comes before the cut too), with its blanks where a
+        // template keeps them. Every expectation here is transformers' own rendering.
+        for content in ["", "   "] {
+            let messages = [message("user", "Count"), message("assistant", content)];
+            assert_eq!(
+                template
+                    .render(&messages, ChatEnding::ContinueLastMessage)
+                    .expect("renders"),
+                "<|im_start|>user\nCount<|im_end|>\n<|im_start|>assistant",
+                "{content:?}"
+            );
+        }
+        let keeping = ChatTemplate::new(
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}".to_owned(),
+            String::new(),
+            String::new(),
+        )
+        .expect("compiles");
+        assert_eq!(
+            keeping
+                .render(&[message("assistant", "  ")], ChatEnding::ContinueLastMessage)
+                .expect("renders"),
+            "<assistant>  "
+        );
+        assert_eq!(
+            keeping
+                .render(&[message("assistant", "It is ")], ChatEnding::ContinueLastMessage)
+                .expect("renders"),
+            "<assistant>It is "
         );
         let hidden = ChatTemplate::new(
             "{% for m in messages %}[{{ m.role }}]{% endfor %}".to_owned(),

@@ -23,6 +23,11 @@ pub const MAX_STOP_STRINGS: usize = 8;
 /// before `min_new_tokens`.
 pub const MAX_STOP_TOKEN_IDS: usize = 16;
 
+/// The roles a chat message may have, handed to the template as given (as vLLM does): tool
+/// calls and their results are not supported, so `tool` and `function` are refused rather than
+/// rendered as text the model would misread.
+const CHAT_ROLES: [&str; 4] = ["system", "developer", "user", "assistant"];
+
 /// What the prompt is, as the client sent it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
@@ -252,13 +257,10 @@ impl Validator {
         let template = self.tokenizer.chat_template().ok_or_else(|| {
             ValidationError::invalid(Field::Messages, "the served model has no chat template; send a prompt")
         })?;
-        if let Some(bad) = messages
-            .iter()
-            .find(|m| !["system", "user", "assistant"].contains(&m.role.as_str()))
-        {
+        if let Some(bad) = messages.iter().find(|m| !CHAT_ROLES.contains(&m.role.as_str())) {
             return Err(ValidationError::invalid(
                 Field::Messages,
-                format!("unknown role {:?} (system, user or assistant)", bad.role),
+                format!("unknown role {:?} (system, developer, user or assistant)", bad.role),
             ));
         }
         template

@@ -107,6 +107,16 @@ impl ApiError {
         }
     }
 
+    /// This error with `max_tokens` called `name` instead: a chat body may set the output's limit
+    /// as `max_completion_tokens`, and its errors name what the client sent.
+    pub fn naming_max_tokens(mut self, name: &'static str) -> Self {
+        if name != "max_tokens" && self.param.as_deref() == Some("max_tokens") {
+            self.param = Some(name.to_owned());
+            self.message = self.message.replacen("max_tokens", name, 1);
+        }
+        self
+    }
+
     /// The `error` object, also sent as an event when a stream fails midway.
     pub fn body(&self) -> serde_json::Value {
         json!({

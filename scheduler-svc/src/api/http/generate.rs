@@ -79,6 +79,11 @@ async fn generate(
     }
     let return_token_ids = body.return_token_ids.unwrap_or(false);
     let per_prompt = body.n.unwrap_or(1).max(1) as usize;
+    let limit_param = if body.max_completion_tokens.is_some() {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
     let drafts = match to_drafts(endpoint, id.clone(), body) {
         Ok(drafts) => drafts,
         Err(error) => return error.into_response(),
@@ -86,7 +91,7 @@ async fn generate(
     let wants_logprobs = drafts.first().is_some_and(|draft| draft.sampling.logprobs);
     let requests = match submit_choices(&state, endpoint, drafts, per_prompt).await {
         Ok(requests) => requests,
-        Err(error) => return error.into_response(),
+        Err(error) => return error.naming_max_tokens(limit_param).into_response(),
     };
     let response = ResponseShape {
         endpoint,

@@ -133,7 +133,8 @@ fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
         let content = match message.content {
             MessageContent::Text(text) => text,
             MessageContent::Parts(parts) => {
-                let mut text = String::new();
+                // The text parts joined by newlines, as vLLM joins them.
+                let mut texts = Vec::with_capacity(parts.len());
                 for part in parts {
                     if let Some(field) = part.other.keys().next() {
                         return Err(ApiError::bad_request(
@@ -142,7 +143,7 @@ fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
                         ));
                     }
                     match (part.kind.as_str(), part.text) {
-                        ("text", Some(part_text)) => text.push_str(&part_text),
+                        ("text", Some(part_text)) => texts.push(part_text),
                         ("text", None) => {
                             return Err(ApiError::bad_request(
                                 "messages",
@@ -154,16 +155,15 @@ fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
                         }
                     }
                 }
-                text
+                texts.join("\n")
             }
         };
-        // OpenAI's newer name for the system role.
-        let role = if message.role == "developer" {
-            "system".to_owned()
-        } else {
-            message.role
-        };
-        converted.push(ChatMessage { role, content });
+        // Every role as given, `developer` too (OpenAI's newer name for the system role): vLLM
+        // hands the template the role it was sent, and the template decides what it means.
+        converted.push(ChatMessage {
+            role: message.role,
+            content,
+        });
     }
     let ending = chat_ending(body.add_generation_prompt, body.continue_final_message.unwrap_or(false))
         .map_err(|e| ApiError::submit(Endpoint::Chat, e.into()))?;
@@ -293,12 +293,6 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
             ))
         }
     };
-    if body.max_tokens.is_some() && body.max_completion_tokens.is_some() {
-        return Err(ApiError::bad_request(
-            "max_completion_tokens",
-            "max_completion_tokens: set it or max_tokens, not both",
-        ));
-    }
     if let Some(user) = &body.user {
         tracing::debug!(request_id = %id, %user, "end user");
     }
@@ -319,7 +313,8 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
             top_logprobs,
         },
         stopping: StoppingDraft {
-            max_new_tokens: body.max_tokens.or(body.max_completion_tokens),
+            // Both set: the newer name wins, as in vLLM.
+            max_new_tokens: body.max_completion_tokens.or(body.max_tokens),
             // vLLM's defaults: completions take the server's default, chat the rest of the context.
             default_to_rest_of_context: endpoint == Endpoint::Chat,
             ignore_eos: body.ignore_eos.unwrap_or(false),

@@ -36,8 +36,10 @@ fn each_endpoint_takes_its_own_shape_and_names_what_it_refuses() {
         Endpoint::Chat,
         "id".to_owned(),
         body(serde_json::json!({
-            "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}],
-            "logprobs": true, "top_logprobs": 3, "max_completion_tokens": 7
+            "messages": [{"role": "developer", "content": [
+                {"type": "text", "text": "Be brief."}, {"type": "text", "text": "Answer in English."}
+            ]}],
+            "logprobs": true, "top_logprobs": 3, "max_completion_tokens": 7, "max_tokens": 9
         })),
     )
     .expect("chat");
@@ -46,7 +48,7 @@ fn each_endpoint_takes_its_own_shape_and_names_what_it_refuses() {
     };
     assert_eq!(
         (messages[0].role.as_str(), messages[0].content.as_str()),
-        ("system", "Be brief.")
+        ("developer", "Be brief.\nAnswer in English.")
     );
     assert_eq!((chat.sampling.top_logprobs, chat.stopping.max_new_tokens), (3, Some(7)));
 
