@@ -81,12 +81,12 @@ impl ChatTemplate {
             .get_template("chat")
             .map_err(|e| ChatTemplateError::Render(e.to_string()))?;
         let continuing = match (ending, messages.split_last()) {
-            (ChatEnding::ContinueLastMessage, Some((last, _))) => Some(last),
+            (ChatEnding::ContinueLastMessage, Some(split)) => Some(split),
             _ => None,
         };
         let values: Vec<Value> = match continuing {
             // The last message carries a marker where its content ends (see `cut_at_marker`).
-            Some(last) => messages[..messages.len() - 1]
+            Some((last, earlier)) => earlier
                 .iter()
                 .map(ChatMessage::to_value)
                 .chain([ChatMessage {
@@ -106,7 +106,7 @@ impl ChatTemplate {
             })
             .map_err(|e| ChatTemplateError::Render(e.to_string()))?;
         match continuing {
-            Some(last) => cut_at_marker(rendered, &last.content),
+            Some((last, _)) => cut_at_marker(rendered, &last.content),
             None => Ok(rendered),
         }
     }
