@@ -71,28 +71,46 @@ async fn greedy_continuations_match_transformers_token_for_token() {
 /// conversation as messages gives the tokens the reference's rendered prompt gives as token ids,
 /// and the same prompt length; an explicit conflict is refused naming the field. Besides each
 /// ending of one conversation: an empty and a blank last message continued (their turn left
-/// open), and the `developer` role, handed to the template as it came.
+/// open), and the `developer` role as vLLM hands it to a template that does not name it
+/// (SmolLM2's): renamed `system`, system messages merged at the front — the reference is given
+/// that conversation.
 #[tokio::test(flavor = "multi_thread")]
 async fn chat_endings_render_as_transformers_renders_them() {
     let conversation = json!([
         {"role": "user", "content": "Name three colours."},
         {"role": "assistant", "content": "Sure! The three colours are"},
     ]);
-    let mut cases: Vec<(serde_json::Value, Option<bool>, bool)> = [(None, false), (Some(false), false), (None, true)]
-        .into_iter()
-        .map(|(add, continuing)| (conversation.clone(), add, continuing))
-        .collect();
+    // (sent, what transformers is given, add_generation_prompt, continue_final_message)
+    let mut cases: Vec<(serde_json::Value, serde_json::Value, Option<bool>, bool)> =
+        [(None, false), (Some(false), false), (None, true)]
+            .into_iter()
+            .map(|(add, continuing)| (conversation.clone(), conversation.clone(), add, continuing))
+            .collect();
     for blank in ["", "  "] {
         let messages = json!([{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": blank}]);
-        cases.push((messages, None, true));
+        cases.push((messages.clone(), messages, None, true));
     }
-    let developer = json!([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]);
-    cases.push((developer, None, false));
+    cases.push((
+        json!([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]),
+        json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]),
+        None,
+        false,
+    ));
+    cases.push((
+        json!([
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi!"},
+            {"role": "developer", "content": "Answer in French."},
+        ]),
+        json!([{"role": "system", "content": "Be brief.\n\nAnswer in French."}, {"role": "user", "content": "Hi!"}]),
+        None,
+        false,
+    ));
     let mut client = shared_server().client().await;
-    for (messages, add_generation_prompt, continue_final_message) in cases {
-        let as_proto = proto_messages(&messages);
+    for (sent, reference_messages, add_generation_prompt, continue_final_message) in cases {
+        let as_proto = proto_messages(&sent);
         let reference = tokio::task::spawn_blocking({
-            let messages = messages.clone();
+            let messages = reference_messages;
             move || {
                 hf_reference(json!({
                     "task": "chat_prompt_ids",

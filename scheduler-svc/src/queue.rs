@@ -48,10 +48,12 @@ impl WaitingQueue {
     ///
     /// Each class is searched from both ends at once: FAIR and THROUGHPUT_FIRST admit from a
     /// class's front and LATENCY_FIRST its youngest, at the back, so either is found in a step or
-    /// two however many wait (a search from the front made LATENCY_FIRST's admissions quadratic
-    /// in the queue's length).
+    /// two however many of its class wait (a search from the front made LATENCY_FIRST's
+    /// admissions quadratic in the queue's length). The classes are searched highest first, as
+    /// every policy admits them, so only a lower class's admission passes over the classes above
+    /// it.
     pub fn remove(&mut self, id: SequenceId) -> Option<Sequence> {
-        self.classes.iter_mut().find_map(|class| {
+        self.classes.iter_mut().rev().find_map(|class| {
             let index = position_from_both_ends(class, id)?;
             class.remove(index)
         })

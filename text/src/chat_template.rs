@@ -5,6 +5,8 @@
 use minijinja::{context, Environment, Error as JinjaError, ErrorKind, Value};
 use thiserror::Error;
 
+mod developer_role;
+
 #[derive(Debug, Error)]
 pub enum ChatTemplateError {
     #[error("the chat template does not compile: {0}")]
@@ -43,6 +45,8 @@ impl ChatMessage {
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// Whether the template's source names the `developer` role ([`developer_role`]).
+    names_developer: bool,
     bos_token: String,
     eos_token: String,
 }
@@ -62,6 +66,7 @@ fn raise_exception(message: String) -> Result<String, JinjaError> {
 
 impl ChatTemplate {
     pub fn new(source: String, bos_token: String, eos_token: String) -> Result<Self, ChatTemplateError> {
+        let names_developer = developer_role::template_names_developer(&source);
         let mut env = Environment::new();
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
@@ -69,13 +74,17 @@ impl ChatTemplate {
             .map_err(|e| ChatTemplateError::Compile(e.to_string()))?;
         Ok(Self {
             env,
+            names_developer,
             bos_token,
             eos_token,
         })
     }
 
-    /// The prompt for `messages`, ending as `ending` says.
+    /// The prompt for `messages`, ending as `ending` says (`developer` messages as
+    /// [`developer_role`] says).
     pub fn render(&self, messages: &[ChatMessage], ending: ChatEnding) -> Result<String, ChatTemplateError> {
+        let messages = developer_role::as_vllm_hands_them(messages, self.names_developer);
+        let messages = &*messages;
         let template = self
             .env
             .get_template("chat")

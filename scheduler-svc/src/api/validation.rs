@@ -23,9 +23,9 @@ pub const MAX_STOP_STRINGS: usize = 8;
 /// before `min_new_tokens`.
 pub const MAX_STOP_TOKEN_IDS: usize = 16;
 
-/// The roles a chat message may have, handed to the template as given (as vLLM does): tool
-/// calls and their results are not supported, so `tool` and `function` are refused rather than
-/// rendered as text the model would misread.
+/// The roles a chat message may have (`developer` renamed `system` where the template does not
+/// name it, as vLLM does): tool calls and their results are not supported, so `tool` and
+/// `function` are refused rather than rendered as text the model would misread.
 const CHAT_ROLES: [&str; 4] = ["system", "developer", "user", "assistant"];
 
 /// What the prompt is, as the client sent it.

@@ -23,7 +23,7 @@ use super::openai::{
     AssistantMessage, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, Choice, CompletionLogprobs, GenerationBody,
     PromptTokensDetails, ResponseBody, UsageBody,
 };
-use super::translate::{to_drafts, Endpoint};
+use super::translate::{output_limit, to_drafts, Endpoint};
 use super::{unix_seconds, HttpState, RequestId};
 use crate::api::tracking::{openai_finish_reason, TrackedRequest};
 use crate::api::validation::RequestDraft;
@@ -79,11 +79,7 @@ async fn generate(
     }
     let return_token_ids = body.return_token_ids.unwrap_or(false);
     let per_prompt = body.n.unwrap_or(1).max(1) as usize;
-    let limit_param = if body.max_completion_tokens.is_some() {
-        "max_completion_tokens"
-    } else {
-        "max_tokens"
-    };
+    let (_, limit_param) = output_limit(endpoint, &body);
     let drafts = match to_drafts(endpoint, id.clone(), body) {
         Ok(drafts) => drafts,
         Err(error) => return error.into_response(),

@@ -158,8 +158,8 @@ fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
                 texts.join("\n")
             }
         };
-        // Every role as given, `developer` too (OpenAI's newer name for the system role): vLLM
-        // hands the template the role it was sent, and the template decides what it means.
+        // Roles as sent: a `developer` message is renamed where the template does not name the
+        // role, as vLLM renames it (`rivulet_text`'s chat template does that for both fronts).
         converted.push(ChatMessage {
             role: message.role,
             content,
@@ -171,6 +171,18 @@ fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
         messages: converted,
         ending,
     })
+}
+
+/// The output's limit and the parameter that set it (named in its errors): chat takes
+/// `max_completion_tokens`, OpenAI's newer name, over `max_tokens`, as vLLM does; vLLM's
+/// completions know only `max_tokens`, so there `max_completion_tokens` counts only without it.
+pub fn output_limit(endpoint: Endpoint, body: &GenerationBody) -> (Option<u32>, &'static str) {
+    match (endpoint, body.max_tokens, body.max_completion_tokens) {
+        (Endpoint::Chat, _, Some(limit)) | (Endpoint::Completions, None, Some(limit)) => {
+            (Some(limit), "max_completion_tokens")
+        }
+        (_, limit, _) => (limit, "max_tokens"),
+    }
 }
 
 /// `priority` by name, or vLLM's integer mapped onto the classes in its order (lower is served
@@ -231,6 +243,7 @@ pub fn to_drafts(endpoint: Endpoint, id: String, body: GenerationBody) -> Result
 /// The draft of the first prompt, and every prompt of the request.
 fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<(RequestDraft, Vec<Prompt>), ApiError> {
     refuse_unsupported(&body)?;
+    let (max_new_tokens, _) = output_limit(endpoint, &body);
     let prompts = match endpoint {
         Endpoint::Completions => {
             if body.messages.is_some() {
@@ -313,8 +326,7 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
             top_logprobs,
         },
         stopping: StoppingDraft {
-            // Both set: the newer name wins, as in vLLM.
-            max_new_tokens: body.max_completion_tokens.or(body.max_tokens),
+            max_new_tokens,
             // vLLM's defaults: completions take the server's default, chat the rest of the context.
             default_to_rest_of_context: endpoint == Endpoint::Chat,
             ignore_eos: body.ignore_eos.unwrap_or(false),

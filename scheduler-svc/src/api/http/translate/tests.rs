@@ -51,6 +51,21 @@ fn each_endpoint_takes_its_own_shape_and_names_what_it_refuses() {
         ("developer", "Be brief.\nAnswer in English.")
     );
     assert_eq!((chat.sampling.top_logprobs, chat.stopping.max_new_tokens), (3, Some(7)));
+    // Completions: vLLM knows only max_tokens there, so it wins; the newer name alone still counts.
+    let limit = |json: serde_json::Value| {
+        to_draft(Endpoint::Completions, "id".to_owned(), body(json))
+            .expect("completions")
+            .stopping
+            .max_new_tokens
+    };
+    assert_eq!(
+        limit(serde_json::json!({"prompt": "x", "max_tokens": 9, "max_completion_tokens": 7})),
+        Some(9)
+    );
+    assert_eq!(
+        limit(serde_json::json!({"prompt": "x", "max_completion_tokens": 7})),
+        Some(7)
+    );
 
     let p = |s: &str| Some(s.to_owned());
     assert_eq!(refused(Endpoint::Chat, serde_json::json!({"prompt": "x"})), p("prompt"));
