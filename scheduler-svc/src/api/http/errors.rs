@@ -7,7 +7,7 @@ use axum::Json;
 use serde_json::json;
 
 use super::translate::Endpoint;
-use crate::api::validation::ValidationError;
+use crate::api::validation::{Field, ValidationError};
 use crate::api::SubmitError;
 use crate::request::{EngineError, ErrorKind};
 
@@ -91,9 +91,15 @@ impl ApiError {
     }
 
     pub fn submit(endpoint: Endpoint, error: SubmitError) -> Self {
+        Self::submit_naming(|field| endpoint.param_name(field), error)
+    }
+
+    /// [`Self::submit`] with the request's own name for each field (a chat body may set the
+    /// output's limit as `max_completion_tokens`, and its errors name what the client sent).
+    pub fn submit_naming(param_name: impl Fn(Field) -> &'static str, error: SubmitError) -> Self {
         match error {
             SubmitError::Invalid(ValidationError::Invalid { field, problem }) => {
-                let param = endpoint.param_name(field);
+                let param = param_name(field);
                 Self::bad_request(param, format!("{param}: {problem}"))
             }
             SubmitError::Invalid(error @ ValidationError::UnknownModel { .. }) => Self {
@@ -105,16 +111,6 @@ impl ApiError {
             },
             SubmitError::Engine(error) => Self::engine(&error),
         }
-    }
-
-    /// This error with `max_tokens` called `name` instead: a chat body may set the output's limit
-    /// as `max_completion_tokens`, and its errors name what the client sent.
-    pub fn naming_max_tokens(mut self, name: &'static str) -> Self {
-        if name != "max_tokens" && self.param.as_deref() == Some("max_tokens") {
-            self.param = Some(name.to_owned());
-            self.message = self.message.replacen("max_tokens", name, 1);
-        }
-        self
     }
 
     /// The `error` object, also sent as an event when a stream fails midway.

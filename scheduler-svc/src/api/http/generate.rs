@@ -26,7 +26,7 @@ use super::openai::{
 use super::translate::{output_limit, to_drafts, Endpoint};
 use super::{unix_seconds, HttpState, RequestId};
 use crate::api::tracking::{openai_finish_reason, TrackedRequest};
-use crate::api::validation::RequestDraft;
+use crate::api::validation::{Field, RequestDraft};
 use crate::request::{FinishReason, SequenceEvent, TokenLogprob, Usage};
 use crate::token_piece::{CharOffsets, TokenPiece};
 use crate::tokenizer::ModelTokenizer;
@@ -85,9 +85,9 @@ async fn generate(
         Err(error) => return error.into_response(),
     };
     let wants_logprobs = drafts.first().is_some_and(|draft| draft.sampling.logprobs);
-    let requests = match submit_choices(&state, endpoint, drafts, per_prompt).await {
+    let requests = match submit_choices(&state, endpoint, limit_param, drafts, per_prompt).await {
         Ok(requests) => requests,
-        Err(error) => return error.naming_max_tokens(limit_param).into_response(),
+        Err(error) => return error.into_response(),
     };
     let response = ResponseShape {
         endpoint,
@@ -124,6 +124,7 @@ async fn generate(
 async fn submit_choices(
     state: &HttpState,
     endpoint: Endpoint,
+    limit_param: &'static str,
     drafts: Vec<RequestDraft>,
     per_prompt: usize,
 ) -> Result<Vec<TrackedRequest>, ApiError> {
@@ -142,10 +143,15 @@ async fn submit_choices(
         ));
     }
     let submit = |draft| {
-        state
-            .front
-            .submit(draft, "http")
-            .map_err(|error| ApiError::submit(endpoint, error))
+        state.front.submit(draft, "http").map_err(|error| {
+            ApiError::submit_naming(
+                |field| match field {
+                    Field::MaxNewTokens => limit_param,
+                    other => endpoint.param_name(other),
+                },
+                error,
+            )
+        })
     };
     let mut firsts = Vec::new();
     let mut copies = Vec::new();
