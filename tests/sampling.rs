@@ -1,8 +1,11 @@
 //! Sampling end to end on the real model: logprobs against `transformers`, seeded determinism
 //! whatever shares the batch and whatever the policy, fresh randomness without a seed, top-k = 1
-//! equal to greedy, and parameter validation.
+//! equal to greedy, logit biases and allowed tokens against `transformers`' processors, and
+//! parameter validation.
 
 mod common;
+
+use std::collections::HashMap;
 
 use common::{greedy_request, hf_reference, shared_server};
 use futures::future::join_all;
@@ -179,7 +182,7 @@ async fn a_seeded_request_gives_the_same_tokens_alone_in_a_crowd_and_under_anoth
         ..Default::default()
     };
     let first = client
-        .generate(sampled(PROMPT, 24, unseeded))
+        .generate(sampled(PROMPT, 24, unseeded.clone()))
         .await
         .expect("unseeded")
         .into_inner()
@@ -281,4 +284,131 @@ async fn top_k_one_is_greedy_and_bad_parameters_are_rejected() {
         response.token_ids, greedy,
         "strong penalties change a greedy continuation"
     );
+}
+
+/// OpenAI's `logit_bias` and vLLM's `allowed_token_ids` against transformers' own logits
+/// processors on the same weights (the bias, then a repetition penalty: vLLM's order), greedy:
+/// the same tokens, and logprobs that stay the model's own. The biases come from the unbiased
+/// run: its first two tokens banned, its first step's fourth alternative raised.
+#[tokio::test(flavor = "multi_thread")]
+async fn logit_bias_and_allowed_tokens_choose_what_transformers_processors_choose() {
+    const TOKENS: u32 = 12;
+    let mut client = shared_server().client().await;
+    let greedy_with = |sampling: SamplingParams| {
+        sampled(
+            PROMPT,
+            TOKENS,
+            SamplingParams {
+                temperature: Some(0.0),
+                logprobs: true,
+                top_logprobs: 5,
+                ..sampling
+            },
+        )
+    };
+    let plain = client
+        .generate(greedy_with(SamplingParams::default()))
+        .await
+        .expect("unbiased")
+        .into_inner();
+    let raised = plain.logprobs[0].top[3].token_id;
+    let bias: HashMap<u32, f32> = [
+        (plain.token_ids[0], -100.0),
+        (plain.token_ids[1], -100.0),
+        (raised, 2.5),
+    ]
+    .into_iter()
+    .collect();
+    let allowed: Vec<u32> = plain
+        .logprobs
+        .iter()
+        .flat_map(|lp| lp.top.iter().map(|t| t.token_id))
+        .collect();
+    let prompt_ids = tokio::task::spawn_blocking(|| hf_reference(json!({"task": "tokenize", "texts": [PROMPT]})))
+        .await
+        .expect("tokenize")["ids"][0]
+        .clone();
+    let cases = [
+        (
+            SamplingParams {
+                logit_bias: bias.clone(),
+                repetition_penalty: Some(1.3),
+                ..Default::default()
+            },
+            json!({"logit_bias": bias, "repetition_penalty": 1.3}),
+        ),
+        (
+            SamplingParams {
+                allowed_token_ids: allowed.clone(),
+                logit_bias: bias.clone(),
+                ..Default::default()
+            },
+            json!({"allowed_token_ids": allowed, "logit_bias": bias}),
+        ),
+    ];
+    for (sampling, options) in cases {
+        let ours = client
+            .generate(greedy_with(sampling))
+            .await
+            .expect("biased")
+            .into_inner();
+        let mut request = json!({"task": "processed_greedy", "prompt_ids": prompt_ids, "max_new_tokens": TOKENS});
+        for (key, value) in options.as_object().expect("options") {
+            request[key] = value.clone();
+        }
+        let reference = tokio::task::spawn_blocking(move || hf_reference(request))
+            .await
+            .expect("reference");
+        let expected: Vec<u32> = serde_json::from_value(reference["output_ids"].clone()).expect("ids");
+        assert_eq!(ours.token_ids, expected, "tokens under {options}");
+        assert_ne!(ours.token_ids, plain.token_ids, "the biases change the continuation");
+        for (i, (lp, theirs)) in ours
+            .logprobs
+            .iter()
+            .zip(reference["logprobs"].as_array().expect("logprobs"))
+            .enumerate()
+        {
+            let theirs = theirs.as_f64().expect("logprob");
+            assert!(
+                (f64::from(lp.logprob) - theirs).abs() < 1e-3,
+                "token {i} under {options}: {} vs {theirs}",
+                lp.logprob
+            );
+        }
+    }
+
+    for (sampling, field) in [
+        (
+            SamplingParams {
+                logit_bias: [(1 << 20, 1.0)].into_iter().collect(),
+                ..Default::default()
+            },
+            "sampling.logit_bias",
+        ),
+        (
+            SamplingParams {
+                logit_bias: [(5, f32::NAN)].into_iter().collect(),
+                ..Default::default()
+            },
+            "sampling.logit_bias",
+        ),
+        (
+            SamplingParams {
+                allowed_token_ids: vec![5, 1 << 20],
+                ..Default::default()
+            },
+            "sampling.allowed_token_ids",
+        ),
+    ] {
+        let status = client
+            .generate(sampled(PROMPT, 2, sampling))
+            .await
+            .expect_err("invalid");
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert!(
+            status.message().starts_with(field),
+            "{} should name {field}",
+            status.message()
+        );
+    }
 }

@@ -118,10 +118,32 @@ async fn stop_token_ids_min_new_tokens_and_the_character_limit() {
         stop_token_ids: vec![stop_token],
         ..Default::default()
     };
-    let (unary, _, reason) = unary_and_streamed(with_stopping(PROMPT, stopping.clone())).await;
+    let (unary, streamed, reason) = unary_and_streamed(with_stopping(PROMPT, stopping.clone())).await;
     assert_eq!(unary.finish_reason(), FinishReason::StopToken);
     assert_eq!(reason, FinishReason::StopToken);
     assert_eq!(unary.token_ids, tokens[..=first]);
+    // As in vLLM, the stopping token's text is left out (its id stays) unless the request keeps
+    // what stopped it: the text is that of the tokens before it, or through it.
+    let text_of = |count: usize| async move {
+        let through = StoppingCriteria {
+            max_new_tokens: Some(count as u32),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        match count {
+            0 => String::new(),
+            _ => unary_and_streamed(with_stopping(PROMPT, through)).await.0.text,
+        }
+    };
+    assert_eq!(unary.text, text_of(first).await);
+    assert_eq!(streamed, unary.text);
+    let kept = StoppingCriteria {
+        include_stop_str_in_output: true,
+        ..stopping.clone()
+    };
+    let (unary, streamed, _) = unary_and_streamed(with_stopping(PROMPT, kept)).await;
+    assert_eq!(unary.text, text_of(first + 1).await);
+    assert_eq!(streamed, unary.text);
 
     // Never chosen before min_new_tokens (vLLM's min_tokens): the same tokens up to it, then
     // another, and the stop token only from `min` on, where it ends the output.

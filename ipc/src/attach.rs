@@ -13,8 +13,9 @@ use serde::{Deserialize, Serialize};
 /// Bumped whenever the attach lines, the IPC messages or the step buffer's layout
 /// ([`STEP_LAYOUT_VERSION`](crate::layout::STEP_LAYOUT_VERSION)) change incompatibly: this is the
 /// version the scheduler checks before it starts a worker (3: sampling parameters as rows; 4:
-/// tokens banned before `min_new_tokens`; 5: a failure names the setting it refused).
-pub const PROTOCOL_VERSION: u32 = 5;
+/// tokens banned before `min_new_tokens`; 5: a failure names the setting it refused; 6: logit
+/// biases).
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// The worker's first line.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

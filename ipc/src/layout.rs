@@ -17,8 +17,9 @@ use serde::{Deserialize, Serialize};
 
 pub const STEP_MAGIC: u32 = 0x5256_4C54; // "RVLT"
 /// Bumped whenever the buffer's layout changes (2: sampling parameters became [`SeqSampling`] rows;
-/// 3: `banned_count` and `banned_tokens`).
-pub const STEP_LAYOUT_VERSION: u32 = 3;
+/// 3: `banned_count` and `banned_tokens`; 4: those became the rows of logit biases, and
+/// [`SeqSampling::allowed_only`]).
+pub const STEP_LAYOUT_VERSION: u32 = 4;
 const ARRAY_ALIGN: usize = 64;
 
 /// Written by the scheduler before each `Step`; read by the worker.
@@ -52,9 +53,16 @@ const _: () = assert!(size_of::<StepCapacity>() == 16);
 /// Alternatives per token that `top_logprobs` may ask for.
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
-/// Tokens a sequence's row may forbid its next choice (`banned_tokens`): its stop tokens while it
-/// has generated fewer than `min_new_tokens`, as vLLM's `min_tokens` forbids them.
+/// Tokens a request may bias (`logit_bias`) or allow (`allowed_token_ids`): OpenAI's limit on
+/// `logit_bias`.
+pub const MAX_REQUEST_LOGIT_BIAS: usize = 300;
+
+/// Tokens the scheduler may forbid a sequence's next choice besides: its stop tokens while it has
+/// generated fewer than `min_new_tokens`, as vLLM's `min_tokens` forbids them (a bias of −∞).
 pub const MAX_BANNED_TOKENS: usize = 32;
+
+/// Entries in a sequence's row of `logit_bias_tokens` and `logit_bias_values`.
+pub const MAX_LOGIT_BIAS: usize = MAX_REQUEST_LOGIT_BIAS + MAX_BANNED_TOKENS;
 
 /// One sequence's sampling parameters: a row of the `sampling` array, written by the scheduler
 /// from the request's parameters, read by the worker for the sequences it samples.
@@ -83,6 +91,9 @@ pub struct SeqSampling {
     pub draw_index: i64,
     /// Alternatives to report (`0..=MAX_TOP_LOGPROBS`); 0 unless the request asked for logprobs.
     pub num_top_logprobs: i64,
+    /// 1: only the tokens of the sequence's logit-bias row may be chosen (vLLM's
+    /// `allowed_token_ids`); 0: every token may.
+    pub allowed_only: i64,
 }
 impl SeqSampling {
     /// Greedy decoding with every other stage off (neutral penalties, no masks, no
@@ -98,12 +109,13 @@ impl SeqSampling {
         seed: 0,
         draw_index: 0,
         num_top_logprobs: 0,
+        allowed_only: 0,
     };
 }
 
-// Six f32 then four i64: no padding anywhere, so every byte of a row is a field's.
-const _: () = assert!(size_of::<SeqSampling>() == 6 * size_of::<f32>() + 4 * size_of::<i64>());
-const _: () = assert!(size_of::<SeqSampling>() == 56);
+// Six f32 then five i64: no padding anywhere, so every byte of a row is a field's.
+const _: () = assert!(size_of::<SeqSampling>() == 6 * size_of::<f32>() + 5 * size_of::<i64>());
+const _: () = assert!(size_of::<SeqSampling>() == 64);
 const _: () = assert!(align_of::<SeqSampling>() == 8);
 
 mod sealed {
@@ -262,12 +274,16 @@ step_arrays! {
     /// Each sequence's sampling parameters.
     sampling: SeqSampling [seqs],
 
-    // Inputs: the tokens a sampled sequence may not be given this step (its EOS and stop token
-    // ids before `min_new_tokens`): the argmax or draw skips them; logprobs stay the model's.
-    /// How many of the sequence's row of `banned_tokens` are used (`0..=MAX_BANNED_TOKENS`).
-    banned_count: i64 [seqs],
-    /// `[max_seqs, MAX_BANNED_TOKENS]`, row-major: the token ids.
-    banned_tokens: i64 [seqs * MAX_BANNED_TOKENS],
+    // Inputs: what a sampled sequence's logits are changed by this step before penalties and the
+    // argmax or draw (vLLM's order): its request's `logit_bias` (or `allowed_token_ids`, each
+    // with its bias or 0), then its EOS and stop token ids at −∞ before `min_new_tokens`.
+    // Entries add up where a token repeats; logprobs stay the model's.
+    /// How many of the sequence's row of entries are used (`0..=MAX_LOGIT_BIAS`).
+    logit_bias_count: i64 [seqs],
+    /// `[max_seqs, MAX_LOGIT_BIAS]`, row-major: the token ids.
+    logit_bias_tokens: i64 [seqs * MAX_LOGIT_BIAS],
+    /// Laid out as `logit_bias_tokens`: what each adds to its token's logit (finite, or −∞).
+    logit_bias_values: f32 [seqs * MAX_LOGIT_BIAS],
 
     // Inputs: penalty histories (prompt, then generated tokens) of the sequences that need one.
     /// Prefix sums into `history_tokens` (`num_seqs + 1` of them).
@@ -312,9 +328,10 @@ mod tests {
         assert_eq!(layout.block_tables.len, 7 * 13);
         assert_eq!(layout.query_start.len, 8);
         assert_eq!(layout.sampling.len, 7);
-        assert_eq!(layout.sampling.byte_len(), 7 * 56);
+        assert_eq!(layout.sampling.byte_len(), 7 * 64);
         assert_eq!(layout.top_logprob_ids.len, 7 * MAX_TOP_LOGPROBS);
-        assert_eq!(layout.banned_tokens.len, 7 * MAX_BANNED_TOKENS);
+        assert_eq!(layout.logit_bias_tokens.len, 7 * MAX_LOGIT_BIAS);
+        assert_eq!(layout.logit_bias_values.len, 7 * MAX_LOGIT_BIAS);
         assert_eq!(layout.arrays().len(), StepLayout::ARRAY_COUNT);
         assert_eq!(layout.arrays()[0].name, "input_ids");
     }

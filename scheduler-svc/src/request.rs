@@ -20,6 +20,12 @@ pub struct SamplingParams {
     pub seed: u64,
     pub logprobs: bool,
     pub top_logprobs: u32,
+    /// What is added to each listed token's logit before the penalties (OpenAI's `logit_bias`,
+    /// clamped to [-100, 100] as vLLM clamps it), one entry per token, sorted by token.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Only `logit_bias`'s tokens may be chosen (vLLM's `allowed_token_ids`: then `logit_bias`
+    /// lists every allowed token, with its bias or 0).
+    pub allowed_only: bool,
 }
 
 impl SamplingParams {
@@ -52,6 +58,8 @@ impl Default for SamplingParams {
             seed: 0,
             logprobs: false,
             top_logprobs: 0,
+            logit_bias: Vec::new(),
+            allowed_only: false,
         }
     }
 }

@@ -2,7 +2,7 @@
 //! straight into the mapping: nothing is allocated per iteration. The only writer of the step's
 //! inputs; the arrays and the sampling row are described in `rivulet_ipc::layout`.
 
-use rivulet_ipc::layout::MAX_BANNED_TOKENS;
+use rivulet_ipc::layout::{MAX_BANNED_TOKENS, MAX_LOGIT_BIAS};
 use rivulet_ipc::{SeqSampling, StepBuffer};
 
 use crate::scheduler::{ScheduledSeq, StepPlan};
@@ -83,7 +83,7 @@ impl StepWriter {
         for (i, (_, seq)) in scheduled().enumerate() {
             sampling[i] = sampling_row(seq);
         }
-        write_banned_tokens(buffer, plan, running, eos_token_ids);
+        write_logit_biases(buffer, plan, running, eos_token_ids);
         write_penalty_histories(buffer, plan, running);
         self.write_block_tables(buffer, plan, running);
     }
@@ -132,36 +132,52 @@ fn sampling_row(seq: &Sequence) -> SeqSampling {
         } else {
             0
         },
+        allowed_only: i64::from(params.allowed_only),
     }
 }
 
-/// For sequences that sample this step short of their `min_new_tokens`, the tokens that would
-/// stop them (vLLM's `min_tokens`: the model's EOS unless the request ignores it, and its stop
-/// token ids), so that the worker never chooses one; the completion check ignores them there
-/// too, should a row hold more than [`MAX_BANNED_TOKENS`] (validation keeps requests' lists
-/// shorter).
-fn write_banned_tokens(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Sequence], eos_token_ids: &[u32]) {
+/// For sequences that sample this step, what their logits are changed by: their request's
+/// `logit_bias` (every allowed token's, with `allowed_token_ids`), then, short of their
+/// `min_new_tokens`, the tokens that would stop them at −∞ (vLLM's `min_tokens`: the model's EOS
+/// unless the request ignores it, and its stop token ids), so that the worker never chooses one —
+/// unless they are every token the request allows, which then stay allowed. The completion check
+/// ignores stopping tokens there too, should a row hold more than [`MAX_BANNED_TOKENS`]
+/// (validation keeps requests' lists shorter).
+fn write_logit_biases(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Sequence], eos_token_ids: &[u32]) {
     let layout = *buffer.layout();
-    let banned = |s: &ScheduledSeq| {
+    let entries = |s: &ScheduledSeq| {
         let seq = &running[s.running_index];
-        let stopping = &seq.request.stopping;
-        let active = s.sample && seq.num_generated() < stopping.min_new_tokens as usize;
+        let (stopping, sampling) = (&seq.request.stopping, &seq.request.sampling);
+        let sample = s.sample;
+        let requested = sampling.logit_bias.iter().copied().filter(move |_| sample);
+        let short = sample && seq.num_generated() < stopping.min_new_tokens as usize;
         let eos = eos_token_ids.iter().filter(move |_| !stopping.ignore_eos);
-        stopping
-            .stop_token_ids
-            .iter()
-            .chain(eos)
-            .filter(move |_| active)
-            .take(MAX_BANNED_TOKENS)
+        let bans = stopping.stop_token_ids.iter().chain(eos).take(MAX_BANNED_TOKENS);
+        let bans_everything = short
+            && sampling.allowed_only
+            && sampling
+                .logit_bias
+                .iter()
+                .all(|(token, _)| bans.clone().any(|banned| banned == token));
+        let bans = bans
+            .filter(move |_| short && !bans_everything)
+            .map(|&token| (token, f32::NEG_INFINITY));
+        requested.chain(bans)
     };
-    let counts = buffer.array_mut(layout.banned_count);
+    let counts = buffer.array_mut(layout.logit_bias_count);
     for (count, s) in counts.iter_mut().zip(&plan.seqs) {
-        *count = banned(s).count() as i64;
+        *count = entries(s).count() as i64;
     }
-    let tokens = buffer.array_mut(layout.banned_tokens);
-    for (row, s) in tokens.chunks_exact_mut(MAX_BANNED_TOKENS).zip(&plan.seqs) {
-        for (slot, &token) in row.iter_mut().zip(banned(s)) {
+    let tokens = buffer.array_mut(layout.logit_bias_tokens);
+    for (row, s) in tokens.chunks_exact_mut(MAX_LOGIT_BIAS).zip(&plan.seqs) {
+        for (slot, (token, _)) in row.iter_mut().zip(entries(s)) {
             *slot = i64::from(token);
+        }
+    }
+    let values = buffer.array_mut(layout.logit_bias_values);
+    for (row, s) in values.chunks_exact_mut(MAX_LOGIT_BIAS).zip(&plan.seqs) {
+        for (slot, (_, value)) in row.iter_mut().zip(entries(s)) {
+            *slot = value;
         }
     }
 }

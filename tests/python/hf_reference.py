@@ -8,6 +8,11 @@ Reads a JSON request on stdin and writes a JSON answer on stdout:
       -> {"text": ..., "ids": [...]}: the chat template applied by transformers, then tokenized
   {"task": "logprobs", "prompt_ids": [...], "output_ids": [...], "top": K}
       -> {"steps": [{"logprob", "top_ids", "top_values"}, ...]}: log-softmax at each output token
+  {"task": "processed_greedy", "prompt_ids": [...], "max_new_tokens": N, "logit_bias": {"id": bias},
+   "allowed_token_ids": [...] or null, "repetition_penalty": R}
+      -> {"output_ids": [...], "logprobs": [...]}: greedy over the logits as transformers' own
+      processors change them (the bias, then the repetition penalty: vLLM's order), every token
+      not allowed masked first; each logprob the raw model's, as vLLM reports it
   {"task": "dequantize", "tensors": [...], "out_dir": "..."}
       -> {"tensors": [{"name", "type", "shape", "path"}]}; each path holds little-endian f32 values,
       dequantized by the `gguf` package's own dequantizer.
@@ -30,6 +35,7 @@ Greedy continuations are kept there too (`greedy`), since several tests ask for 
 import functools
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -129,6 +135,35 @@ def logprobs(model_path, prompt_ids, output_ids, top):
         values, ids = row.topk(top)
         steps.append({"logprob": float(row[token]), "top_ids": ids.tolist(), "top_values": values.tolist()})
     return {"steps": steps}
+
+
+def processed_greedy(model_path, prompt_ids, max_new_tokens, logit_bias, allowed_token_ids, repetition_penalty):
+    import torch
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+    allowed = torch.tensor(sorted(set(allowed_token_ids))) if allowed_token_ids else None
+    processors = LogitsProcessorList()
+    if logit_bias:
+        processors.append(SequenceBiasLogitsProcessor([[[int(token)], float(bias)] for token, bias in logit_bias.items()]))
+    if repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    model = load_model(model_path)
+    ids = list(prompt_ids)
+    output_ids, logprobs = [], []
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        while len(output_ids) < max_new_tokens:
+            if output_ids:
+                out = model(torch.tensor([[output_ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            raw = out.logits[:, -1].float()
+            scores = raw.clone()
+            if allowed is not None:
+                scores = torch.full_like(scores, -math.inf).index_copy(1, allowed, scores[:, allowed])
+            scores = processors(torch.tensor([ids + output_ids]), scores)
+            token = int(scores[0].argmax())
+            logprobs.append(float(torch.log_softmax(raw[0].double(), dim=-1)[token]))
+            output_ids.append(token)
+    return {"output_ids": output_ids, "logprobs": logprobs}
 
 
 def chat_prompt_ids(model_path, messages, add_generation_prompt, continue_final_message):
@@ -273,6 +308,15 @@ def main():
         answer = greedy(model_path, request["prompts"], request["max_new_tokens"])
     elif task == "logprobs":
         answer = logprobs(model_path, request["prompt_ids"], request["output_ids"], request["top"])
+    elif task == "processed_greedy":
+        answer = processed_greedy(
+            model_path,
+            request["prompt_ids"],
+            request["max_new_tokens"],
+            request.get("logit_bias", {}),
+            request.get("allowed_token_ids"),
+            request.get("repetition_penalty", 1.0),
+        )
     elif task == "dequantize_raw":
         answer = dequantize_raw(request["type"], request["path"], request["out"])
     elif task == "save_hf_folder":

@@ -124,6 +124,12 @@ with_logprobs = client.completions.create(model=model, prompt=prompt, logprobs=3
 lp = with_logprobs.choices[0].logprobs
 check(len(lp.tokens) == max_tokens and len(lp.token_logprobs) == max_tokens, str(lp))
 check(all(len(top) >= 1 for top in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs), str(lp))
+# As OpenAI defines them and vLLM lists them: the chosen token first, then the likeliest, up to
+# logprobs + 1 entries; with logprobs 0, the chosen token alone.
+check(all(next(iter(top)) == token and len(top) <= 4 for top, token in zip(lp.top_logprobs, lp.tokens)), str(lp))
+sampled = client.completions.create(model=model, prompt=prompt, logprobs=0, temperature=1.5, seed=3, max_tokens=max_tokens)
+chosen = sampled.choices[0].logprobs
+check(all(list(top) == [token] for top, token in zip(chosen.top_logprobs, chosen.tokens)), f"logprobs 0: {chosen}")
 check(lp.text_offset == sorted(lp.text_offset), "text offsets ascend")
 # Characters split across tokens: each token shows as `\ufffd`, but the offsets count the text's
 # own characters (whole tokens sit where their offsets say), and chat's `bytes` join into the text.
@@ -197,6 +203,32 @@ for chunk in client.chat.completions.create(model=model, messages=expected["chat
         streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
 check(streamed == {0: message.message.content, 1: message.message.content}, f"streamed chat choices {streamed}")
 print("choices: a batch of prompts and n, whole and streamed")
+
+# --- logit_bias (OpenAI's, keys as strings) and vLLM's allowed_token_ids steer the choice
+plain = client.completions.create(model=model, prompt=prompt, **greedy).choices[0].token_ids
+forced = plain[-1]
+biased = client.completions.create(model=model, prompt=prompt, logit_bias={str(forced): 100}, **greedy).choices[0]
+check(biased.token_ids == [forced] * max_tokens, f"a +100 bias on {forced}: {biased.token_ids}")
+banned = client.completions.create(model=model, prompt=prompt, logit_bias={str(plain[0]): -100}, **greedy)
+check(banned.choices[0].token_ids[0] != plain[0], f"a -100 bias on {plain[0]}: {banned.choices[0].token_ids}")
+allowed = sorted(set(plain[1:]))
+only = client.chat.completions.create(
+    model=model, messages=expected["chat"], temperature=1.0, seed=7, max_tokens=8,
+    extra_body={"allowed_token_ids": allowed, "return_token_ids": True, "ignore_eos": True},
+).choices[0]
+check(set(only.token_ids) <= set(allowed), f"only {allowed}: {only.token_ids}")
+for bias, param in [({"abc": 1}, "logit_bias"), ({"99999999": 1}, "logit_bias"), ({"5": "high"}, "logit_bias")]:
+    try:
+        client.completions.create(model=model, prompt=prompt, logit_bias=bias, max_tokens=2)
+        check(False, f"logit_bias {bias} is refused")
+    except openai.BadRequestError as error:
+        check(error.body["param"] == param and error.body["message"].startswith(param), f"{error.body}")
+try:
+    client.completions.create(model=model, prompt=prompt, max_tokens=2, extra_body={"allowed_token_ids": []})
+    check(False, "an empty allowed_token_ids is refused")
+except openai.BadRequestError as error:
+    check(error.body["param"] == "allowed_token_ids", f"{error.body}")
+print("logit_bias and allowed_token_ids: steer the choice, bad ones refused")
 
 # --- errors in OpenAI's shape
 try:

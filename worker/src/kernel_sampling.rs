@@ -1,6 +1,6 @@
 //! Every sampled row of a CPU-kernels step chosen straight from the kernels' logits, without
 //! libtorch, rows in parallel on the kernels' threads: greedy rows take the argmax, the others
-//! draw ([`rivulet_kernels::sampling`]), penalties first where a row has them; each row's
+//! draw ([`rivulet_kernels::sampling`]), biases and penalties first where a row has them; each row's
 //! logprob and alternatives come from its raw logits ([`rivulet_kernels::logits`]).
 //!
 //! Why: through libtorch a step copied the logits into a tensor and read them on one thread while
@@ -28,8 +28,39 @@ pub struct RowRequest<'a> {
     pub history: &'a [i64],
     /// How many of `history`'s tokens are the prompt's.
     pub prompt_len: usize,
-    /// Tokens the row may not choose (its stop tokens before `min_new_tokens`; ids validated).
-    pub banned: &'a [i64],
+    /// What the row's logits are changed by before its penalties (ids validated).
+    pub bias: LogitBiasRow<'a>,
+}
+
+/// A row's logit-bias entries: `values[i]` (finite, or −∞ for a token the row may not choose)
+/// added to the logit of `tokens[i]`, repeated tokens adding up; with
+/// [`SeqSampling::allowed_only`], every token not listed is excluded.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LogitBiasRow<'a> {
+    pub tokens: &'a [i64],
+    pub values: &'a [f32],
+}
+
+impl LogitBiasRow<'_> {
+    /// `row` changed by these entries, into `adjusted`.
+    pub fn apply(&self, row: &[f32], allowed_only: bool, adjusted: &mut Vec<f32>) {
+        adjusted.clear();
+        if allowed_only {
+            adjusted.resize(row.len(), f32::NEG_INFINITY);
+            for &token in self.tokens {
+                if let Some(t) = usize::try_from(token).ok().filter(|&t| t < row.len()) {
+                    adjusted[t] = row[t];
+                }
+            }
+        } else {
+            adjusted.extend_from_slice(row);
+        }
+        for (&token, &value) in self.tokens.iter().zip(self.values) {
+            if let Some(logit) = usize::try_from(token).ok().and_then(|t| adjusted.get_mut(t)) {
+                *logit += value;
+            }
+        }
+    }
 }
 
 /// Every sampled row's token, `[rows]`, and `[rows][top]` alternatives.
@@ -94,21 +125,17 @@ fn choose(row: &[f32], request: &RowRequest<'_>) -> RowChoice {
         presence: params.presence_penalty,
     };
     let penalized = !request.history.is_empty() && !penalties.is_neutral();
-    let banned = !request.banned.is_empty();
-    let token = if !penalized && !banned && params.temperature <= 0.0 {
+    let allowed_only = params.allowed_only != 0;
+    let biased = !request.bias.tokens.is_empty() || allowed_only;
+    let token = if !penalized && !biased && params.temperature <= 0.0 {
         summary.argmax
     } else {
         SCRATCH.with_borrow_mut(|(adjusted, weights)| {
-            let logits = if penalized || banned {
-                adjusted.clear();
-                adjusted.extend_from_slice(row);
+            let logits = if penalized || biased {
+                // vLLM's order: the biases (and bans), then the penalties.
+                request.bias.apply(row, allowed_only, adjusted);
                 if penalized {
                     apply_penalties(adjusted, request.history, request.prompt_len, &penalties);
-                }
-                for &token in request.banned {
-                    if let Some(logit) = usize::try_from(token).ok().and_then(|t| adjusted.get_mut(t)) {
-                        *logit = f32::NEG_INFINITY;
-                    }
                 }
                 &adjusted[..]
             } else {
@@ -161,7 +188,7 @@ impl SampledRows {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampler::{sample, BannedTokens, PenaltyHistory, SamplingBatch};
+    use crate::sampler::{sample, LogitBias, PenaltyHistory, SamplingBatch};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
     use tch::{Device, Kind};
@@ -183,8 +210,14 @@ mod tests {
             tokens: Tensor::from_slice(&tokens).to_device(device),
             generated: Tensor::from_slice(&generated).to_device(device),
         });
-        let banned = BannedTokens::from_lists(requests.iter().map(|r| r.banned), device).expect("banned");
-        let batch = SamplingBatch::from_rows(&rows, history, banned, device).expect("batch");
+        let bias = LogitBias::from_rows(
+            requests
+                .iter()
+                .map(|r| (r.bias.tokens, r.bias.values, r.params.allowed_only != 0)),
+            device,
+        )
+        .expect("bias");
+        let batch = SamplingBatch::from_rows(&rows, history, bias, device).expect("batch");
         let logits = Tensor::from_slice(logits)
             .view([requests.len() as i64, vocab as i64])
             .to_device(device);
@@ -253,38 +286,61 @@ mod tests {
                     seed: rng.random(),
                     draw_index: i as i64 + round,
                     num_top_logprobs: (i % 4) as i64,
+                    allowed_only: i64::from(i % 6 == 5),
                 })
                 .collect();
             let histories: Vec<Vec<i64>> = (0..rows)
                 .map(|i| (0..i * 3).map(|_| rng.random_range(0..vocab as i64)).collect())
                 .collect();
-            // Every third row may not choose its two likeliest tokens (as before `min_tokens`).
-            let banned: Vec<Vec<i64>> = (0..rows)
+            // Rows by `i % 6`: 1 and 4 may not choose their two likeliest tokens (as before
+            // `min_tokens`); 2 have a request's biases (one token listed twice, which adds up);
+            // 5 may choose only 40 tokens, one of them biased, another banned.
+            let biases: Vec<(Vec<i64>, Vec<f32>)> = (0..rows)
                 .map(|i| {
                     let row = &logits[i * vocab..(i + 1) * vocab];
                     let mut order: Vec<usize> = (0..vocab).collect();
                     order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-                    order
-                        .iter()
-                        .take(if i % 3 == 1 { 2 } else { 0 })
-                        .map(|&t| t as i64)
-                        .collect()
+                    let likeliest = |n: usize| order.iter().take(n).map(|&t| t as i64);
+                    let random = |rng: &mut StdRng| rng.random_range(0..vocab as i64);
+                    match i % 6 {
+                        1 | 4 => (likeliest(2).collect(), vec![f32::NEG_INFINITY; 2]),
+                        2 => {
+                            let (a, b) = (random(&mut rng), random(&mut rng));
+                            let tokens = likeliest(1).chain([a, b, b]).collect();
+                            (tokens, vec![-2.5, 9.0, 1.5, 2.0])
+                        }
+                        5 => {
+                            let tokens: Vec<i64> = (0..40).map(|_| random(&mut rng)).collect();
+                            let mut values = vec![0.0; 40];
+                            (values[0], values[1]) = (4.0, f32::NEG_INFINITY);
+                            (tokens, values)
+                        }
+                        _ => (Vec::new(), Vec::new()),
+                    }
                 })
                 .collect();
             let requests: Vec<RowRequest<'_>> = params
                 .iter()
                 .zip(&histories)
-                .zip(&banned)
-                .map(|((&params, history), banned)| RowRequest {
+                .zip(&biases)
+                .map(|((&params, history), (tokens, values))| RowRequest {
                     params,
                     history,
                     prompt_len: history.len() / 2,
-                    banned,
+                    bias: LogitBiasRow { tokens, values },
                 })
                 .collect();
             let ours = sample_rows(&logits, vocab, &requests, 3);
             for (request, &token) in requests.iter().zip(&ours.tokens) {
-                assert!(!request.banned.contains(&token), "a banned token {token} was chosen");
+                let entries = || request.bias.tokens.iter().zip(request.bias.values);
+                let banned = entries().any(|(&t, &v)| t == token && v == f32::NEG_INFINITY);
+                assert!(!banned, "a banned token {token} was chosen");
+                if request.params.allowed_only != 0 {
+                    assert!(
+                        request.bias.tokens.contains(&token),
+                        "an unlisted token {token} was chosen"
+                    );
+                }
             }
             let theirs = libtorch(&logits, vocab, &requests, device);
             assert_eq!(ours.tokens, values::<i64>(&theirs.tokens), "round {round}");
@@ -317,7 +373,7 @@ mod tests {
                 params,
                 history: &[],
                 prompt_len: 0,
-                banned: &[],
+                bias: LogitBiasRow::default(),
             };
             rows as usize
         ];

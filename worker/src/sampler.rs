@@ -4,7 +4,8 @@
 //! ([`crate::kernel_sampling`], over [`rivulet_kernels::sampling`]) with the same semantics,
 //! which this module's tests hold them to.
 //!
-//! Order, as in vLLM: repetition / frequency / presence penalties on the logits; then greedy rows
+//! Order, as in vLLM: logit biases (`allowed_token_ids`, `logit_bias`, the stop tokens banned
+//! before `min_new_tokens`), then repetition / frequency / presence penalties; then greedy rows
 //! (temperature 0) take the argmax, the others divide by their temperature, keep their top-k,
 //! then top-p of what top-k kept (renormalized), then min-p, and draw by an exponential race:
 //! the token with the largest weight over an exponential number that is a pure function of
@@ -28,31 +29,69 @@ pub struct PenaltyHistory {
     pub generated: Tensor,
 }
 
-/// Tokens some rows may not choose (their stop tokens before `min_new_tokens`): pairs of a row
-/// and a token id, `[B]` i64 each.
-pub struct BannedTokens {
+/// Logit biases: entries of a row, a token and what is added to its logit (finite, or −∞ for
+/// a token the row may not choose: its stop tokens before `min_new_tokens`), `[B]` each; and
+/// the rows that may choose only their listed tokens (vLLM's `allowed_token_ids`).
+pub struct LogitBias {
+    /// `[B]` i64.
     pub rows: Tensor,
+    /// `[B]` i64.
     pub tokens: Tensor,
+    /// `[B]` f32.
+    pub values: Tensor,
+    /// `[R]` i64: rows whose unlisted tokens are excluded; `None` if there are none.
+    pub allowed_only_rows: Option<Tensor>,
 }
 
-impl BannedTokens {
-    /// From each row's list of banned ids, in row order, on `device`; `None` if all are empty.
-    pub fn from_lists<'a>(
-        lists: impl IntoIterator<Item = &'a [i64]>,
+impl LogitBias {
+    /// From each row's entries and whether it allows only them, in row order, on `device`;
+    /// `None` if no row has any.
+    pub fn from_rows<'a>(
+        rows: impl IntoIterator<Item = (&'a [i64], &'a [f32], bool)>,
         device: Device,
     ) -> Result<Option<Self>, tch::TchError> {
-        let (mut rows, mut tokens) = (Vec::new(), Vec::new());
-        for (row, list) in lists.into_iter().enumerate() {
-            rows.extend(std::iter::repeat_n(row as i64, list.len()));
-            tokens.extend_from_slice(list);
+        let (mut entry_rows, mut tokens, mut values, mut allowed_only) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (row, (row_tokens, row_values, only)) in rows.into_iter().enumerate() {
+            entry_rows.extend(std::iter::repeat_n(row as i64, row_tokens.len()));
+            tokens.extend_from_slice(row_tokens);
+            values.extend_from_slice(row_values);
+            if only {
+                allowed_only.push(row as i64);
+            }
         }
-        if tokens.is_empty() {
+        if tokens.is_empty() && allowed_only.is_empty() {
             return Ok(None);
         }
+        let on_device = |values: &[i64]| Tensor::f_from_slice(values)?.f_to_device(device);
         Ok(Some(Self {
-            rows: Tensor::f_from_slice(&rows)?.f_to_device(device)?,
-            tokens: Tensor::f_from_slice(&tokens)?.f_to_device(device)?,
+            rows: on_device(&entry_rows)?,
+            tokens: on_device(&tokens)?,
+            values: Tensor::f_from_slice(&values)?.f_to_device(device)?,
+            allowed_only_rows: if allowed_only.is_empty() {
+                None
+            } else {
+                Some(on_device(&allowed_only)?)
+            },
         }))
+    }
+
+    /// `logits` (`[rows, vocab]` f32) changed by the entries: an allowed-only row's unlisted
+    /// tokens at −∞, then each entry added to its logit (repeated tokens add up).
+    fn apply(&self, logits: &Tensor) -> Tensor {
+        let logits = match &self.allowed_only_rows {
+            Some(only) => {
+                let zero = Tensor::zeros([1], (logits.kind(), logits.device()));
+                let mask = logits.zeros_like().index_fill(0, only, f64::NEG_INFINITY).index_put(
+                    &[Some(&self.rows), Some(&self.tokens)],
+                    &zero,
+                    false,
+                );
+                logits + mask
+            }
+            None => logits.shallow_clone(),
+        };
+        logits.index_put(&[Some(&self.rows), Some(&self.tokens)], &self.values, true)
     }
 }
 
@@ -68,7 +107,7 @@ pub struct SamplingBatch {
     /// `[rows]` i64: each row's [`race_key`] (32 bits).
     pub race_key: Tensor,
     pub history: Option<PenaltyHistory>,
-    pub banned: Option<BannedTokens>,
+    pub bias: Option<LogitBias>,
     /// Which optional stages any row needs (computed on the host, so unused ones cost nothing).
     pub any_random: bool,
     pub any_top_k: bool,
@@ -84,7 +123,7 @@ impl SamplingBatch {
     pub fn from_rows(
         rows: &[SeqSampling],
         history: Option<PenaltyHistory>,
-        banned: Option<BannedTokens>,
+        bias: Option<LogitBias>,
         device: Device,
     ) -> Result<Self, tch::TchError> {
         let race_keys: Vec<i64> = rows
@@ -106,7 +145,7 @@ impl SamplingBatch {
             presence_penalty: column(rows, |row| row.presence_penalty, device)?,
             race_key: Tensor::f_from_slice(&race_keys)?.f_to_device(device)?,
             history,
-            banned,
+            bias,
         })
     }
 }
@@ -134,16 +173,14 @@ pub struct Sampled {
 /// `logits`: `[rows, vocab]` f32.
 pub fn sample(logits: &Tensor, batch: &SamplingBatch) -> Sampled {
     let raw_logprobs = logits.log_softmax(-1, Kind::Float);
-    let logits = match &batch.history {
-        Some(history) => apply_penalties(logits, history, batch),
+    // Biases (a banned token can be neither the argmax nor drawn), then penalties, as vLLM
+    // orders them; logprobs stay the raw logits'.
+    let logits = match &batch.bias {
+        Some(bias) => bias.apply(logits),
         None => logits.shallow_clone(),
     };
-    // Banned tokens can be neither the argmax nor drawn; logprobs stay the raw logits'.
-    let logits = match &batch.banned {
-        Some(banned) => {
-            let minus_infinity = Tensor::full([1], f64::NEG_INFINITY, (logits.kind(), logits.device()));
-            logits.index_put(&[Some(&banned.rows), Some(&banned.tokens)], &minus_infinity, false)
-        }
+    let logits = match &batch.history {
+        Some(history) => apply_penalties(&logits, history, batch),
         None => logits,
     };
     let greedy = logits.argmax(-1, false);

@@ -18,7 +18,7 @@ use crate::decode_graphs::{self, DecodeGraphs};
 use crate::device::{compute_kind, describe, select_device};
 use crate::error::{panic_message, WorkerError};
 use crate::hf_folder;
-use crate::kernel_sampling::{sample_rows, RowRequest};
+use crate::kernel_sampling::{sample_rows, LogitBiasRow, RowRequest};
 use crate::kv_cache::{HostKvCache, KvCache};
 use crate::memory::KvBudget;
 use crate::model::{ForwardInputs, LlamaModel};
@@ -224,7 +224,7 @@ impl Worker {
                         params: SeqSampling::GREEDY,
                         history: &[],
                         prompt_len: 0,
-                        banned: &[],
+                        bias: LogitBiasRow::default(),
                     };
                     model.in_pool(|| sample_rows(&logits, vocab, &[row], 0));
                 }

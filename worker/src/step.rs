@@ -2,14 +2,14 @@
 //! model and the cache (so a bad step is an error, never a crash), the sampling batch built from
 //! it, and the outputs written back.
 
-use rivulet_ipc::layout::{MAX_BANNED_TOKENS, MAX_TOP_LOGPROBS};
+use rivulet_ipc::layout::{MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS};
 use rivulet_ipc::{SeqSampling, StepBuffer, StepHeader};
 use tch::{Device, Kind, Tensor};
 
 use crate::attention::SeqSlice;
 use crate::error::WorkerError;
-use crate::kernel_sampling::RowRequest;
-use crate::sampler::{BannedTokens, PenaltyHistory, Sampled, SamplingBatch};
+use crate::kernel_sampling::{LogitBiasRow, RowRequest};
+use crate::sampler::{LogitBias, PenaltyHistory, Sampled, SamplingBatch};
 use crate::step_view::StepView;
 
 /// What validation checks against.
@@ -105,16 +105,23 @@ pub fn validate(buffer: &StepBuffer, header: &StepHeader, limits: StepLimits) ->
     let num_slots = limits.num_blocks * limits.block_size;
     check_range("slot_mapping", &buffer.array(layout.slot_mapping)[..tokens], num_slots)?;
 
-    let banned_count = &buffer.array(layout.banned_count)[..seqs];
-    let banned_tokens = buffer.array(layout.banned_tokens);
+    let bias_count = &buffer.array(layout.logit_bias_count)[..seqs];
     for &seq in &host.sampled_seqs {
         let seq = seq as usize;
-        let count = banned_count[seq];
-        if !(0..=MAX_BANNED_TOKENS as i64).contains(&count) {
-            return invalid(format!("sequence {seq}: {count} banned tokens"));
+        let count = bias_count[seq];
+        if !(0..=MAX_LOGIT_BIAS as i64).contains(&count) {
+            return invalid(format!("sequence {seq}: {count} logit bias entries"));
         }
-        let row = &banned_tokens[seq * MAX_BANNED_TOKENS..seq * MAX_BANNED_TOKENS + count as usize];
-        check_range(&format!("banned tokens of sequence {seq}"), row, limits.vocab_size)?;
+        let row = bias_row(buffer, seq);
+        check_range(
+            &format!("logit bias tokens of sequence {seq}"),
+            row.tokens,
+            limits.vocab_size,
+        )?;
+        // −∞ bans a token; +∞ or NaN would leave no distribution to draw from.
+        if let Some(bad) = row.values.iter().find(|v| !(v.is_finite() || **v == f32::NEG_INFINITY)) {
+            return invalid(format!("sequence {seq}: a logit bias of {bad}"));
+        }
     }
 
     let history_start = &buffer.array(layout.history_start)[..=seqs];
@@ -162,6 +169,11 @@ fn check_sampling(seq: i64, row: &SeqSampling) -> Result<(), WorkerError> {
         ),
         ("frequency_penalty", row.frequency_penalty, true),
         ("presence_penalty", row.presence_penalty, true),
+        (
+            "allowed_only",
+            row.allowed_only as f32,
+            matches!(row.allowed_only, 0 | 1),
+        ),
     ];
     match checks
         .iter()
@@ -196,17 +208,21 @@ pub fn row_requests<'b>(buffer: &'b StepBuffer, host: &HostStep) -> Vec<RowReque
                 params: sampling[seq],
                 history: &tokens[start[seq] as usize..start[seq + 1] as usize],
                 prompt_len: prompt_len[seq] as usize,
-                banned: banned_row(buffer, seq),
+                bias: bias_row(buffer, seq),
             }
         })
         .collect()
 }
 
-/// Sequence `seq`'s banned tokens (count and ids as [`validate`] checked them).
-fn banned_row(buffer: &StepBuffer, seq: usize) -> &[i64] {
+/// Sequence `seq`'s logit-bias entries (the count as [`validate`] checked it).
+fn bias_row(buffer: &StepBuffer, seq: usize) -> LogitBiasRow<'_> {
     let layout = buffer.layout();
-    let count = buffer.array(layout.banned_count)[seq] as usize;
-    &buffer.array(layout.banned_tokens)[seq * MAX_BANNED_TOKENS..seq * MAX_BANNED_TOKENS + count]
+    let count = buffer.array(layout.logit_bias_count)[seq] as usize;
+    let entries = seq * MAX_LOGIT_BIAS..seq * MAX_LOGIT_BIAS + count;
+    LogitBiasRow {
+        tokens: &buffer.array(layout.logit_bias_tokens)[entries.clone()],
+        values: &buffer.array(layout.logit_bias_values)[entries],
+    }
 }
 
 /// The sampled sequences' parameters (from their rows of the `sampling` array) and penalty
@@ -241,11 +257,14 @@ pub fn sampling_batch(
             generated: Tensor::f_from_slice(&generated)?.f_to_device(device)?,
         })
     };
-    let banned = BannedTokens::from_lists(
-        host.sampled_seqs.iter().map(|&seq| banned_row(buffer, seq as usize)),
+    let bias = LogitBias::from_rows(
+        host.sampled_seqs.iter().zip(&rows).map(|(&seq, params)| {
+            let row = bias_row(buffer, seq as usize);
+            (row.tokens, row.values, params.allowed_only != 0)
+        }),
         device,
     )?;
-    Ok(SamplingBatch::from_rows(&rows, history, banned, device)?)
+    Ok(SamplingBatch::from_rows(&rows, history, bias, device)?)
 }
 
 /// Writes the sampled tokens, their logprobs and the alternatives into the step buffer.

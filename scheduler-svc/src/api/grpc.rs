@@ -121,6 +121,8 @@ fn to_draft(id: String, request: proto::GenerateRequest) -> Result<RequestDraft,
             seed: sampling.seed,
             logprobs: sampling.logprobs,
             top_logprobs: sampling.top_logprobs,
+            logit_bias: sampling.logit_bias.into_iter().collect(),
+            allowed_token_ids: Some(sampling.allowed_token_ids).filter(|ids| !ids.is_empty()),
         },
         stopping: StoppingDraft {
             max_new_tokens: stopping.max_new_tokens,

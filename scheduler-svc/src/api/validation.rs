@@ -4,10 +4,11 @@
 //! [`GenerationRequest`] or an error naming the [`Field`] — which each front spells in its own
 //! protocol's words (`sampling.temperature` in gRPC, `temperature` in OpenAI's JSON).
 
+use std::collections::BTreeMap;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 
-use rivulet_ipc::layout::MAX_TOP_LOGPROBS;
+use rivulet_ipc::layout::{MAX_REQUEST_LOGIT_BIAS, MAX_TOP_LOGPROBS};
 use thiserror::Error;
 
 use crate::chat_template::{ChatEnding, ChatMessage};
@@ -72,6 +73,10 @@ pub struct SamplingDraft {
     pub seed: Option<u64>,
     pub logprobs: bool,
     pub top_logprobs: u32,
+    /// Token ids and biases, in the client's order (a token given again overrides, as in a JSON
+    /// object with a repeated key).
+    pub logit_bias: Vec<(u32, f32)>,
+    pub allowed_token_ids: Option<Vec<u32>>,
 }
 
 /// Stopping criteria as given; `None` takes the server's default.
@@ -117,6 +122,8 @@ pub enum Field {
     FrequencyPenalty,
     PresencePenalty,
     TopLogprobs,
+    LogitBias,
+    AllowedTokenIds,
     MaxNewTokens,
     Stop,
     StopTokenIds,
@@ -144,6 +151,8 @@ impl Field {
             Field::FrequencyPenalty => "sampling.frequency_penalty",
             Field::PresencePenalty => "sampling.presence_penalty",
             Field::TopLogprobs => "sampling.top_logprobs",
+            Field::LogitBias => "sampling.logit_bias",
+            Field::AllowedTokenIds => "sampling.allowed_token_ids",
             Field::MaxNewTokens => "stopping.max_new_tokens",
             Field::Stop => "stopping.stop",
             Field::StopTokenIds => "stopping.stop_token_ids",
@@ -208,7 +217,7 @@ impl Validator {
                 ),
             ));
         }
-        let sampling = sampling_params(draft.sampling)?;
+        let sampling = sampling_params(draft.sampling, self.limits.vocab_size)?;
         let stopping = self.stopping_params(draft.stopping, prompt_ids.len())?;
         Ok(GenerationRequest {
             id: draft.id,
@@ -225,13 +234,7 @@ impl Validator {
                 if ids.is_empty() {
                     return Err(ValidationError::invalid(Field::PromptTokenIds, "must not be empty"));
                 }
-                let vocab = self.limits.vocab_size;
-                if let Some(bad) = ids.iter().find(|&&id| id >= vocab) {
-                    return Err(ValidationError::invalid(
-                        Field::PromptTokenIds,
-                        format!("token id {bad} is outside the vocabulary of {vocab}"),
-                    ));
-                }
+                in_vocabulary(Field::PromptTokenIds, ids.iter().copied(), self.limits.vocab_size)?;
                 return Ok((Field::PromptTokenIds, ids));
             }
             Prompt::Text(text) => (Field::Prompt, text),
@@ -319,13 +322,11 @@ impl Validator {
                 ),
             ));
         }
-        let vocab = self.limits.vocab_size;
-        if let Some(bad) = stopping.stop_token_ids.iter().find(|&&id| id >= vocab) {
-            return Err(ValidationError::invalid(
-                Field::StopTokenIds,
-                format!("token id {bad} is outside the vocabulary of {vocab}"),
-            ));
-        }
+        in_vocabulary(
+            Field::StopTokenIds,
+            stopping.stop_token_ids.iter().copied(),
+            self.limits.vocab_size,
+        )?;
         if stopping.min_new_tokens > max_new_tokens {
             return Err(ValidationError::invalid(
                 Field::MinNewTokens,
@@ -386,8 +387,64 @@ fn fresh_seed() -> u64 {
     hasher.finish()
 }
 
-/// Sampling parameters with vLLM's defaults and ranges.
-pub fn sampling_params(sampling: SamplingDraft) -> Result<SamplingParams, ValidationError> {
+/// Every token id of `tokens` below `vocab`, or an error naming the first that is not.
+fn in_vocabulary(field: Field, mut tokens: impl Iterator<Item = u32>, vocab: u32) -> Result<(), ValidationError> {
+    match tokens.find(|&id| id >= vocab) {
+        Some(bad) => Err(ValidationError::invalid(
+            field,
+            format!("token id {bad} is outside the vocabulary of {vocab}"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// `logit_bias` and `allowed_token_ids` as one list: the biases clamped to [-100, 100] as vLLM
+/// clamps them, and with an allowed list, its tokens each with its bias or 0 (a bias on a token
+/// it does not allow changes nothing, as in vLLM), sorted by token.
+fn logit_bias(
+    bias: Vec<(u32, f32)>,
+    allowed: Option<Vec<u32>>,
+    vocab: u32,
+) -> Result<(Vec<(u32, f32)>, bool), ValidationError> {
+    in_vocabulary(Field::LogitBias, bias.iter().map(|&(token, _)| token), vocab)?;
+    if let Some(&(token, value)) = bias.iter().find(|(_, value)| value.is_nan()) {
+        return Err(ValidationError::invalid(
+            Field::LogitBias,
+            format!("the bias of token {token} is {value}"),
+        ));
+    }
+    let bias: BTreeMap<u32, f32> = bias
+        .into_iter()
+        .map(|(token, value)| (token, value.clamp(-100.0, 100.0)))
+        .collect();
+    let too_many = |field, count: usize| {
+        ValidationError::invalid(
+            field,
+            format!("{count} tokens are more than the {MAX_REQUEST_LOGIT_BIAS} allowed"),
+        )
+    };
+    if bias.len() > MAX_REQUEST_LOGIT_BIAS {
+        return Err(too_many(Field::LogitBias, bias.len()));
+    }
+    let Some(allowed) = allowed else {
+        return Ok((bias.into_iter().collect(), false));
+    };
+    if allowed.is_empty() {
+        return Err(ValidationError::invalid(Field::AllowedTokenIds, "must not be empty"));
+    }
+    in_vocabulary(Field::AllowedTokenIds, allowed.iter().copied(), vocab)?;
+    let allowed: BTreeMap<u32, f32> = allowed
+        .into_iter()
+        .map(|token| (token, bias.get(&token).copied().unwrap_or(0.0)))
+        .collect();
+    if allowed.len() > MAX_REQUEST_LOGIT_BIAS {
+        return Err(too_many(Field::AllowedTokenIds, allowed.len()));
+    }
+    Ok((allowed.into_iter().collect(), true))
+}
+
+/// Sampling parameters with vLLM's defaults and ranges, for a model of `vocab` tokens.
+pub fn sampling_params(sampling: SamplingDraft, vocab: u32) -> Result<SamplingParams, ValidationError> {
     let defaults = SamplingParams::default();
     let temperature = sampling.temperature.unwrap_or(defaults.temperature);
     let top_k = sampling.top_k.unwrap_or(0);
@@ -409,6 +466,7 @@ pub fn sampling_params(sampling: SamplingDraft) -> Result<SamplingParams, Valida
         ));
     }
     let penalty = |field, value: f32| check(field, value, (-2.0..=2.0).contains(&value), "[-2, 2]");
+    let (logit_bias, allowed_only) = logit_bias(sampling.logit_bias, sampling.allowed_token_ids, vocab)?;
     Ok(SamplingParams {
         temperature: check(
             Field::Temperature,
@@ -430,6 +488,8 @@ pub fn sampling_params(sampling: SamplingDraft) -> Result<SamplingParams, Valida
         seed: sampling.seed.unwrap_or_else(fresh_seed),
         logprobs: sampling.logprobs,
         top_logprobs: sampling.top_logprobs,
+        logit_bias,
+        allowed_only,
     })
 }
 
@@ -437,8 +497,11 @@ pub fn sampling_params(sampling: SamplingDraft) -> Result<SamplingParams, Valida
 mod tests {
     use super::*;
 
+    /// SmolLM2's vocabulary.
+    const VOCAB: u32 = 49_152;
+
     fn field_of(sampling: SamplingDraft) -> Field {
-        match sampling_params(sampling) {
+        match sampling_params(sampling, VOCAB) {
             Err(ValidationError::Invalid { field, .. }) => field,
             other => panic!("expected an invalid field, got {other:?}"),
         }
@@ -446,9 +509,9 @@ mod tests {
 
     #[test]
     fn defaults_are_vllms_and_bad_values_name_their_field() {
-        let params = sampling_params(SamplingDraft::default()).expect("defaults");
+        let params = sampling_params(SamplingDraft::default(), VOCAB).expect("defaults");
         assert_eq!((params.temperature, params.top_p, params.top_k), (1.0, 1.0, 0));
-        let again = sampling_params(SamplingDraft::default()).expect("defaults");
+        let again = sampling_params(SamplingDraft::default(), VOCAB).expect("defaults");
         assert_ne!(again.seed, params.seed, "fresh seeds differ");
         let cases = [
             (
@@ -532,11 +595,60 @@ mod tests {
         for (draft, field) in cases {
             assert_eq!(field_of(draft), field);
         }
-        let seeded = sampling_params(SamplingDraft {
-            seed: Some(7),
-            ..Default::default()
-        })
+        let seeded = sampling_params(
+            SamplingDraft {
+                seed: Some(7),
+                ..Default::default()
+            },
+            VOCAB,
+        )
         .expect("ok");
         assert_eq!(seeded.seed, 7);
+    }
+
+    fn biased(logit_bias: Vec<(u32, f32)>, allowed_token_ids: Option<Vec<u32>>) -> SamplingDraft {
+        SamplingDraft {
+            logit_bias,
+            allowed_token_ids,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn logit_biases_are_clamped_deduplicated_and_merged_with_the_allowed_tokens() {
+        let params = sampling_params(
+            biased(vec![(9, 250.0), (3, -1.5), (9, -300.0), (7, f32::INFINITY)], None),
+            VOCAB,
+        )
+        .expect("valid");
+        // Sorted by token; the later entry for 9 wins; both ends clamped to ±100.
+        assert_eq!(params.logit_bias, vec![(3, -1.5), (7, 100.0), (9, -100.0)]);
+        assert!(!params.allowed_only);
+
+        let params = sampling_params(biased(vec![(5, 2.0), (8, -4.0)], Some(vec![8, 1, 8])), VOCAB).expect("valid");
+        // Every allowed token once, with its bias or 0; the bias on 5, which is not allowed, goes.
+        assert_eq!(params.logit_bias, vec![(1, 0.0), (8, -4.0)]);
+        assert!(params.allowed_only);
+
+        let cases = [
+            (biased(vec![(VOCAB, 1.0)], None), Field::LogitBias),
+            (biased(vec![(1, f32::NAN)], None), Field::LogitBias),
+            (
+                biased((0..=MAX_REQUEST_LOGIT_BIAS as u32).map(|t| (t, 1.0)).collect(), None),
+                Field::LogitBias,
+            ),
+            (biased(Vec::new(), Some(Vec::new())), Field::AllowedTokenIds),
+            (biased(Vec::new(), Some(vec![3, VOCAB + 7])), Field::AllowedTokenIds),
+            (
+                biased(Vec::new(), Some((0..=MAX_REQUEST_LOGIT_BIAS as u32).collect())),
+                Field::AllowedTokenIds,
+            ),
+        ];
+        for (draft, field) in cases {
+            assert_eq!(field_of(draft), field);
+        }
+        // Repeats count once towards the limit.
+        let repeated = biased(Vec::new(), Some([7; 2 * MAX_REQUEST_LOGIT_BIAS].to_vec()));
+        assert!(sampling_params(repeated, VOCAB).is_ok());
     }
 }

@@ -2,7 +2,8 @@
 //! [`Outcome`]:
 //!
 //! 1. cancellation — the client went away ([`is_abandoned`]; the engine asks between steps);
-//! 2. the newest token ([`token`]): max tokens → EOS / stop token ids → the model's context →
+//! 2. the newest token ([`token`]): max tokens → EOS / stop token ids (whose text is left out
+//!    unless `include_stop_str_in_output`, as vLLM leaves it out) → the model's context →
 //!    confidence;
 //! 3. the text ([`text`]): stop strings (matched across tokens, trimmed unless asked to keep
 //!    them) → the character limit; a stop string the newest token completed outranks max tokens
@@ -49,9 +50,16 @@ pub fn after_token(seq: &mut Sequence, logprob: f32, limits: &Limits<'_>, tokeni
         return Outcome::Continue(String::new());
     };
     let token_reason = check_token_completion(seq, limits.eos_token_ids, limits.max_model_len, logprob);
-    let mut delta = match seq.detokenizer.push(tokenizer, token) {
-        Ok(text) => text,
-        Err(error) => return Outcome::Failed(EngineError::Detokenize(error.to_string())),
+    // The token that stops the output (EOS, a stop token id) adds no text unless the request
+    // keeps what stopped it, as in vLLM; its id is still the output's last.
+    let stopping_token = matches!(token_reason, Some(FinishReason::EosToken | FinishReason::StopToken));
+    let mut delta = if stopping_token && !seq.request.stopping.include_stop_str_in_output {
+        String::new()
+    } else {
+        match seq.detokenizer.push(tokenizer, token) {
+            Ok(text) => text,
+            Err(error) => return Outcome::Failed(EngineError::Detokenize(error.to_string())),
+        }
     };
     if token_reason.is_some() {
         match seq.detokenizer.flush(tokenizer) {

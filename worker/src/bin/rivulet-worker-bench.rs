@@ -22,7 +22,7 @@ use rivulet_ipc::SeqSampling;
 use rivulet_worker::attention::{AttentionPlan, SeqSlice};
 use rivulet_worker::config::ModelConfig;
 use rivulet_worker::cpu_model::{CpuModel, CpuWeights, HostStepInputs};
-use rivulet_worker::kernel_sampling::{sample_rows, RowRequest};
+use rivulet_worker::kernel_sampling::{sample_rows, LogitBiasRow, RowRequest};
 use rivulet_worker::kv_cache::{HostKvCache, KvCache};
 use rivulet_worker::model::{ForwardInputs, LlamaModel};
 use rivulet_worker::step_phases::{Phase, StepPhases};
@@ -383,7 +383,7 @@ impl KernelsBench {
                 params: SeqSampling::GREEDY,
                 history: &[],
                 prompt_len: 0,
-                banned: &[],
+                bias: LogitBiasRow::default(),
             };
             rows.len()
         ];

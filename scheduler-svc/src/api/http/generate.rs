@@ -434,9 +434,14 @@ impl ChoiceBuilder {
                 let mut out = CompletionLogprobs::default();
                 for lp in logprobs {
                     let piece = self.piece(lp.token_id);
+                    // The chosen token, then the `logprobs` likeliest: up to logprobs + 1 entries,
+                    // as OpenAI defines them and vLLM lists them.
                     let mut top = serde_json::Map::new();
-                    for &(id, logprob) in &lp.top {
-                        top.insert(self.piece(id).text, serde_json::json!(logprob));
+                    for (id, logprob) in std::iter::once((lp.token_id, lp.logprob)).chain(lp.top.iter().copied()) {
+                        let text = self.piece(id).text;
+                        if !top.contains_key(&text) {
+                            top.insert(text, serde_json::json!(logprob));
+                        }
                     }
                     out.text_offset.push(self.offsets.offset());
                     self.offsets.push(&piece.text_bytes);

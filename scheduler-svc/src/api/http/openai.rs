@@ -107,6 +107,8 @@ pub struct GenerationBody {
     pub top_p: Option<f32>,
     pub frequency_penalty: Option<f32>,
     pub presence_penalty: Option<f32>,
+    /// Token ids (as strings) to what is added to their logits, -100 to 100 (OpenAI's).
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
     pub seed: Option<u64>,
     pub stop: Option<StopInput>,
     pub stream: Option<bool>,
@@ -123,6 +125,8 @@ pub struct GenerationBody {
     pub min_tokens: Option<u32>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub include_stop_str_in_output: Option<bool>,
+    /// Only these tokens may be chosen.
+    pub allowed_token_ids: Option<Vec<u32>>,
     /// Also return the generated token ids (`choices[].token_ids`).
     pub return_token_ids: Option<bool>,
     /// Chat only (vLLM's): open the assistant's turn after the messages (default true).
@@ -138,7 +142,6 @@ pub struct GenerationBody {
     pub best_of: Option<u32>,
     pub echo: Option<bool>,
     pub suffix: Option<String>,
-    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
     pub tools: Option<serde_json::Value>,
     pub tool_choice: Option<serde_json::Value>,
     pub functions: Option<serde_json::Value>,

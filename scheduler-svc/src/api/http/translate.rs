@@ -38,6 +38,8 @@ impl Endpoint {
             Field::PresencePenalty => "presence_penalty",
             Field::TopLogprobs if self == Endpoint::Completions => "logprobs",
             Field::TopLogprobs => "top_logprobs",
+            Field::LogitBias => "logit_bias",
+            Field::AllowedTokenIds => "allowed_token_ids",
             Field::MaxNewTokens => "max_tokens",
             Field::Stop => "stop",
             Field::StopTokenIds => "stop_token_ids",
@@ -70,9 +72,6 @@ fn refuse_unsupported(body: &GenerationBody) -> Result<(), ApiError> {
     }
     if body.suffix.is_some() {
         return Err(unsupported("suffix", "a suffix (insertion)"));
-    }
-    if body.logit_bias.as_ref().is_some_and(|bias| !bias.is_empty()) {
-        return Err(unsupported("logit_bias", "biasing logits"));
     }
     let absent_or_none = |value: &Option<serde_json::Value>| match value {
         None | Some(serde_json::Value::Null) => true,
@@ -240,6 +239,26 @@ pub fn to_drafts(endpoint: Endpoint, id: String, body: GenerationBody) -> Result
     Ok(drafts)
 }
 
+/// OpenAI's `logit_bias`: an object from token ids (strings, as JSON keys are) to numbers.
+fn logit_bias(bias: Option<serde_json::Map<String, serde_json::Value>>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let invalid = |message: String| ApiError::bad_request("logit_bias", format!("logit_bias: {message}"));
+    bias.unwrap_or_default()
+        .into_iter()
+        .map(|(key, value)| {
+            let token: u32 = key
+                .trim()
+                .parse()
+                .map_err(|_| invalid(format!("key {key:?} is not a token id")))?;
+            match value.as_f64() {
+                Some(bias) => Ok((token, bias as f32)),
+                None => Err(invalid(format!(
+                    "the bias of token {token} must be a number, not {value}"
+                ))),
+            }
+        })
+        .collect()
+}
+
 /// The draft of the first prompt, and every prompt of the request.
 fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<(RequestDraft, Vec<Prompt>), ApiError> {
     refuse_unsupported(&body)?;
@@ -324,6 +343,8 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
             seed: body.seed,
             logprobs,
             top_logprobs,
+            logit_bias: logit_bias(body.logit_bias)?,
+            allowed_token_ids: body.allowed_token_ids,
         },
         stopping: StoppingDraft {
             max_new_tokens,
