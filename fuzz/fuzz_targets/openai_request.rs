@@ -14,7 +14,8 @@ fuzz_target!(|data: &[u8]| {
         };
         if let Ok(drafts) = to_drafts(endpoint, "fuzz".to_owned(), body) {
             for draft in drafts {
-                let _ = sampling_params(draft.sampling);
+                // SmolLM2's vocabulary, so that token ids reach both sides of the check.
+                let _ = sampling_params(draft.sampling, 49_152);
             }
         }
     }

@@ -2,7 +2,7 @@
 //! straight into the mapping: nothing is allocated per iteration. The only writer of the step's
 //! inputs; the arrays and the sampling row are described in `rivulet_ipc::layout`.
 
-use rivulet_ipc::layout::{MAX_BANNED_TOKENS, MAX_LOGIT_BIAS};
+use rivulet_ipc::layout::{MAX_BANNED_TOKENS, MAX_LOGIT_BIAS, MAX_REQUEST_LOGIT_BIAS};
 use rivulet_ipc::{SeqSampling, StepBuffer};
 
 use crate::scheduler::{ScheduledSeq, StepPlan};
@@ -149,7 +149,13 @@ fn write_logit_biases(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Seque
         let seq = &running[s.running_index];
         let (stopping, sampling) = (&seq.request.stopping, &seq.request.sampling);
         let sample = s.sample;
-        let requested = sampling.logit_bias.iter().copied().filter(move |_| sample);
+        // (Validation keeps requests within their share of the row.)
+        let requested = sampling
+            .logit_bias
+            .iter()
+            .copied()
+            .take(MAX_REQUEST_LOGIT_BIAS)
+            .filter(move |_| sample);
         let short = sample && seq.num_generated() < stopping.min_new_tokens as usize;
         let eos = eos_token_ids.iter().filter(move |_| !stopping.ignore_eos);
         let bans = stopping.stop_token_ids.iter().chain(eos).take(MAX_BANNED_TOKENS);
@@ -275,5 +281,79 @@ mod tests {
         assert_eq!(&buffer.array(layout.block_tables)[..5], &[10, 11, 12, 0, 0]);
         writer.write(&mut buffer, 4, &one_token_each(2), &short, 2, &[]);
         assert_eq!(buffer.array(layout.block_tables), &[9, 0, 0, 0, 0, 10, 11, 12, 0, 0]);
+    }
+
+    /// The row of entries of each sequence, as the worker reads it.
+    fn bias_rows(buffer: &StepBuffer, seqs: usize) -> Vec<Vec<(i64, f32)>> {
+        let layout = *buffer.layout();
+        let (counts, tokens, values) = (
+            buffer.array(layout.logit_bias_count),
+            buffer.array(layout.logit_bias_tokens),
+            buffer.array(layout.logit_bias_values),
+        );
+        (0..seqs)
+            .map(|seq| {
+                let row = seq * MAX_LOGIT_BIAS..seq * MAX_LOGIT_BIAS + counts[seq] as usize;
+                tokens[row.clone()]
+                    .iter()
+                    .copied()
+                    .zip(values[row].iter().copied())
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_row_holds_the_requests_biases_then_bans_its_stopping_tokens_short_of_min_new_tokens() {
+        let capacity = StepCapacity {
+            max_tokens: 4,
+            max_seqs: 4,
+            max_blocks_per_seq: 2,
+            max_history_tokens: 16,
+        };
+        let mut buffer = StepBuffer::create(capacity).expect("create");
+        let eos = [2];
+        let minus = f32::NEG_INFINITY;
+        let with = |logit_bias: Vec<(u32, f32)>, allowed_only: bool, min_new_tokens: u32| {
+            let mut seq = resident(1, 3, vec![1]);
+            seq.request.sampling.logit_bias = logit_bias;
+            seq.request.sampling.allowed_only = allowed_only;
+            seq.request.stopping.stop_token_ids = vec![7];
+            seq.request.stopping.min_new_tokens = min_new_tokens;
+            seq
+        };
+        let running = vec![
+            // Biases, then its stop token and EOS banned while short of 2 tokens.
+            with(vec![(4, 1.5), (9, -3.0)], false, 2),
+            // Past its minimum: biases only.
+            with(vec![(4, 1.5)], false, 0),
+            // Allowed only 7 and 4 (7 a stop token): banning 7 and EOS still leaves 4.
+            with(vec![(4, 0.0), (7, 0.0)], true, 2),
+            // Allowed only its stop token and EOS: banning both would leave nothing, so neither
+            // is banned (the completion check still ignores them until the minimum).
+            with(vec![(2, 0.0), (7, 0.0)], true, 2),
+        ];
+        let mut writer = StepWriter::default();
+        writer.write(&mut buffer, 1, &one_token_each(4), &running, 16, &eos);
+        assert_eq!(
+            bias_rows(&buffer, 4),
+            vec![
+                vec![(4, 1.5), (9, -3.0), (7, minus), (2, minus)],
+                vec![(4, 1.5)],
+                vec![(4, 0.0), (7, 0.0), (7, minus), (2, minus)],
+                vec![(2, 0.0), (7, 0.0)],
+            ]
+        );
+        let layout = *buffer.layout();
+        let allowed_only: Vec<i64> = buffer.array(layout.sampling)[..4]
+            .iter()
+            .map(|row| row.allowed_only)
+            .collect();
+        assert_eq!(allowed_only, [0, 0, 1, 1]);
+        // A sequence that does not sample this step (a prompt chunk) gets no entries.
+        let mut plan = one_token_each(1);
+        plan.seqs[0].sample = false;
+        writer.write(&mut buffer, 2, &plan, &running, 16, &eos);
+        assert_eq!(bias_rows(&buffer, 1), vec![Vec::new()]);
     }
 }

@@ -112,6 +112,12 @@ pub fn validate(buffer: &StepBuffer, header: &StepHeader, limits: StepLimits) ->
         if !(0..=MAX_LOGIT_BIAS as i64).contains(&count) {
             return invalid(format!("sequence {seq}: {count} logit bias entries"));
         }
+        // A row allowed only its listed tokens must list one, or nothing is left to choose.
+        if count == 0 && buffer.array(layout.sampling)[seq].allowed_only != 0 {
+            return invalid(format!(
+                "sequence {seq}: allowed only its listed tokens, and lists none"
+            ));
+        }
         let row = bias_row(buffer, seq);
         check_range(
             &format!("logit bias tokens of sequence {seq}"),

@@ -51,9 +51,11 @@ pub fn after_token(seq: &mut Sequence, logprob: f32, limits: &Limits<'_>, tokeni
     };
     let token_reason = check_token_completion(seq, limits.eos_token_ids, limits.max_model_len, logprob);
     // The token that stops the output (EOS, a stop token id) adds no text unless the request
-    // keeps what stopped it, as in vLLM; its id is still the output's last.
+    // keeps what stopped it, as in vLLM (its id is still the output's last); nor does a character
+    // left incomplete before it, which vLLM's detokenizer never emits either.
     let stopping_token = matches!(token_reason, Some(FinishReason::EosToken | FinishReason::StopToken));
-    let mut delta = if stopping_token && !seq.request.stopping.include_stop_str_in_output {
+    let silent = stopping_token && !seq.request.stopping.include_stop_str_in_output;
+    let mut delta = if silent {
         String::new()
     } else {
         match seq.detokenizer.push(tokenizer, token) {
@@ -61,7 +63,7 @@ pub fn after_token(seq: &mut Sequence, logprob: f32, limits: &Limits<'_>, tokeni
             Err(error) => return Outcome::Failed(EngineError::Detokenize(error.to_string())),
         }
     };
-    if token_reason.is_some() {
+    if token_reason.is_some() && !silent {
         match seq.detokenizer.flush(tokenizer) {
             Ok(rest) => delta.push_str(&rest),
             Err(error) => return Outcome::Failed(EngineError::Detokenize(error.to_string())),

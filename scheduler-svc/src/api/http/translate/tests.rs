@@ -238,3 +238,42 @@ fn a_value_of_the_wrong_shape_is_told_what_the_field_takes() {
         assert!(text.contains(expected) && !text.contains("untagged"), "{text}");
     }
 }
+
+#[test]
+fn logit_bias_keys_are_token_ids_and_its_values_numbers() {
+    let of = |bias: serde_json::Value| {
+        to_draft(
+            Endpoint::Chat,
+            "id".to_owned(),
+            body(serde_json::json!({"messages": [{"role": "user", "content": "x"}], "logit_bias": bias})),
+        )
+        .map(|draft| draft.sampling.logit_bias)
+        .map_err(|error| (error.param, error.message))
+    };
+    // In the object's order (a repeat of a token, spelled differently, comes later and wins).
+    assert_eq!(
+        of(serde_json::json!({"12": 1.5, " 7 ": -100, "012": 2})),
+        Ok(vec![(12, 1.5), (7, -100.0), (12, 2.0)])
+    );
+    assert_eq!(of(serde_json::json!({})), Ok(Vec::new()));
+    for (bias, says) in [
+        (serde_json::json!({"abc": 1}), "key \"abc\" is not a token id"),
+        (serde_json::json!({"-3": 1}), "key \"-3\" is not a token id"),
+        (serde_json::json!({"5": "high"}), "the bias of token 5 must be a number"),
+        (serde_json::json!({"5": null}), "the bias of token 5 must be a number"),
+    ] {
+        let (param, message) = of(bias.clone()).expect_err("refused");
+        assert_eq!(param.as_deref(), Some("logit_bias"), "{bias}");
+        assert!(
+            message.starts_with("logit_bias: ") && message.contains(says),
+            "{bias}: {message}"
+        );
+    }
+    let allowed = to_draft(
+        Endpoint::Completions,
+        "id".to_owned(),
+        body(serde_json::json!({"prompt": "x", "allowed_token_ids": [3, 1]})),
+    )
+    .expect("allowed");
+    assert_eq!(allowed.sampling.allowed_token_ids, Some(vec![3, 1]));
+}
