@@ -20,7 +20,8 @@ use crate::stats::StatsSnapshot;
 
 pub(super) enum EngineCommand {
     Submit {
-        request: GenerationRequest,
+        /// Boxed: a request is several times the size of every other command.
+        request: Box<GenerationRequest>,
         events: UnboundedSender<SequenceEvent>,
         queue_ticket: QueueTicket,
     },
@@ -109,7 +110,7 @@ impl EngineHandle {
         let (events, receiver) = tokio_mpsc::unbounded_channel();
         // On failure the unsent command, ticket included, is dropped: the place comes back.
         self.send(EngineCommand::Submit {
-            request,
+            request: Box::new(request),
             events,
             queue_ticket,
         })?;

@@ -354,7 +354,7 @@ impl Engine {
                 self.next_sequence_id += 1;
                 tracing::debug!(request_id = %request.id, sequence = id, prompt_tokens = request.prompt_ids.len(), "queued");
                 self.unrouted
-                    .push_back(Sequence::new(id, request, events, queue_ticket));
+                    .push_back(Sequence::new(id, *request, events, queue_ticket));
             }
             EngineCommand::GetStats { reply } => {
                 let _ = reply.send(self.stats.snapshot(self.unrouted.len(), &self.replicas, self.policy));
