@@ -37,12 +37,15 @@ async fn unary_and_streamed(request: GenerateRequest) -> (rivulet::proto::Genera
     let mut client = shared_server().client().await;
     let unary = client.generate(request.clone()).await.expect("unary").into_inner();
     let mut stream = client.stream_generate(request).await.expect("stream").into_inner();
-    let (mut text, mut reason) = (String::new(), FinishReason::Unspecified);
+    let (mut text, mut reason, mut stop) = (String::new(), FinishReason::Unspecified, (None, None));
     while let Some(message) = stream.next().await {
         let message = message.expect("message");
         text.push_str(&message.text);
         reason = message.finish_reason();
+        stop = (message.stop_string, message.stop_token_id);
     }
+    // Which stop ended it (vLLM's stop_reason) comes on the stream's last message as on the unary.
+    assert_eq!(stop, (unary.stop_string.clone(), unary.stop_token_id));
     (unary, text, reason)
 }
 
@@ -79,6 +82,10 @@ async fn a_stop_string_spanning_tokens_ends_the_output_and_is_trimmed() {
     assert_eq!(reason, FinishReason::StopString);
     assert_eq!(unary.text, full[..cut], "output trimmed before {stop:?}");
     assert_eq!(streamed, unary.text, "streaming and unary agree");
+    assert_eq!(
+        (unary.stop_string.as_deref(), unary.stop_token_id),
+        (Some(stop.as_str()), None)
+    );
     assert!(unary.token_ids.len() < 48);
 
     // The token that completes the stop string is the last one allowed: the stop still names the
@@ -122,6 +129,10 @@ async fn stop_token_ids_min_new_tokens_and_the_character_limit() {
     assert_eq!(unary.finish_reason(), FinishReason::StopToken);
     assert_eq!(reason, FinishReason::StopToken);
     assert_eq!(unary.token_ids, tokens[..=first]);
+    assert_eq!(
+        (unary.stop_string.as_deref(), unary.stop_token_id),
+        (None, Some(stop_token))
+    );
     // As in vLLM, the stopping token's text is left out (its id stays) unless the request keeps
     // what stopped it: the text is that of the tokens before it, or through it.
     let text_of = |count: usize| async move {

@@ -124,6 +124,14 @@ pub enum FinishReason {
     LowConfidence,
 }
 
+/// Which stop ended a request that finished on one (vLLM's `stop_reason`): the stop string that
+/// matched, or the stop token id chosen. EOS and the other reasons have none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopCause {
+    String(String),
+    TokenId(u32),
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
     pub prompt_tokens: u32,
@@ -143,6 +151,8 @@ pub enum SequenceEvent {
     /// The last event of a request that completed, with its last tokens and text.
     Finished {
         reason: FinishReason,
+        /// The stop string or stop token id, for `StopString` and `StopToken`.
+        stop: Option<StopCause>,
         token_ids: Vec<u32>,
         text: String,
         usage: Usage,

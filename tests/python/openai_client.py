@@ -155,7 +155,17 @@ confident = dict(greedy, extra_body=dict(greedy["extra_body"], confidence_thresh
 low = client.completions.create(model=model, prompt=prompt, **confident).choices[0]
 check(low.token_ids == expected["grpc_token_ids"][: stop_at + 1], f"confidence stop at {stop_at}: {low.token_ids}")
 check(low.finish_reason == "stop" and getattr(low, "stop_reason", None) == "low_confidence", str(low))
-print("completions: the confidence stop ends where the probabilities say")
+# vLLM's stop_reason: the stop string or the stop token id that ended the output, else null.
+text_ids = expected["grpc_token_ids"]
+plain_text = client.completions.create(model=model, prompt=prompt, **greedy).choices[0]
+stop_string = plain_text.text[len(plain_text.text) // 2 :][:3]
+by_string = client.completions.create(model=model, prompt=prompt, stop=[stop_string], **greedy).choices[0]
+check(by_string.finish_reason == "stop" and by_string.stop_reason == stop_string, f"{stop_string!r}: {by_string}")
+stopping_token = dict(greedy, extra_body=dict(greedy["extra_body"], stop_token_ids=[text_ids[2]]))
+by_token = client.completions.create(model=model, prompt=prompt, **stopping_token).choices[0]
+check(by_token.finish_reason == "stop" and by_token.stop_reason == text_ids[2], f"{text_ids[2]}: {by_token}")
+check(plain_text.finish_reason == "length" and plain_text.stop_reason is None, str(plain_text))
+print("completions: the confidence stop ends where the probabilities say; stop_reason names the stop")
 
 # --- chat, whole and streamed, equal to gRPC's chat tokens
 chat_greedy = dict(greedy)

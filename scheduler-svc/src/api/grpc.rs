@@ -14,7 +14,7 @@ use super::tracking::TrackedRequest;
 use super::validation::{chat_ending, Field, Prompt, RequestDraft, SamplingDraft, StoppingDraft, ValidationError};
 use super::{request_id, Frontend, SubmitError, REQUEST_ID_HEADER};
 use crate::chat_template::ChatMessage;
-use crate::request::{EngineError, ErrorKind, FinishReason, Priority, SequenceEvent, TokenLogprob, Usage};
+use crate::request::{EngineError, ErrorKind, FinishReason, Priority, SequenceEvent, StopCause, TokenLogprob, Usage};
 
 pub struct GenerationService {
     front: Frontend,
@@ -155,6 +155,8 @@ impl Generation for GenerationService {
             finish_reason: proto_reason(completed.reason) as i32,
             usage: Some(proto_usage(completed.usage)),
             logprobs: completed.logprobs.into_iter().map(proto_logprob).collect(),
+            stop_string: stop_string(&completed.stop),
+            stop_token_id: stop_token_id(&completed.stop),
         };
         Ok(with_request_id(response, events.id()))
     }
@@ -186,6 +188,7 @@ fn stream_message(event: SequenceEvent) -> Result<proto::GenerateStreamResponse,
         }),
         SequenceEvent::Finished {
             reason,
+            stop,
             token_ids,
             text,
             usage,
@@ -197,8 +200,24 @@ fn stream_message(event: SequenceEvent) -> Result<proto::GenerateStreamResponse,
             finish_reason: proto_reason(reason) as i32,
             usage: Some(proto_usage(usage)),
             logprobs: logprobs.into_iter().map(proto_logprob).collect(),
+            stop_string: stop_string(&stop),
+            stop_token_id: stop_token_id(&stop),
         }),
         SequenceEvent::Failed(error) => Err(engine_status(error)),
+    }
+}
+
+fn stop_string(stop: &Option<StopCause>) -> Option<String> {
+    match stop {
+        Some(StopCause::String(stop)) => Some(stop.clone()),
+        _ => None,
+    }
+}
+
+fn stop_token_id(stop: &Option<StopCause>) -> Option<u32> {
+    match stop {
+        Some(StopCause::TokenId(token)) => Some(*token),
+        _ => None,
     }
 }
 

@@ -12,7 +12,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::{Stream, StreamExt};
 
 use crate::metrics::Metrics;
-use crate::request::{EngineError, ErrorKind, FinishReason, SequenceEvent, TokenLogprob, Usage};
+use crate::request::{EngineError, ErrorKind, FinishReason, SequenceEvent, StopCause, TokenLogprob, Usage};
 
 /// OpenAI's (and vLLM's metrics') word for a finish reason.
 pub fn openai_finish_reason(reason: FinishReason) -> &'static str {
@@ -32,6 +32,8 @@ pub struct Completed {
     pub token_ids: Vec<u32>,
     pub logprobs: Vec<TokenLogprob>,
     pub reason: FinishReason,
+    /// The stop string or stop token id that ended it, if one did.
+    pub stop: Option<StopCause>,
     pub usage: Usage,
 }
 
@@ -103,6 +105,7 @@ impl TrackedRequest {
                 }
                 SequenceEvent::Finished {
                     reason,
+                    stop,
                     token_ids: ids,
                     text: delta,
                     usage,
@@ -117,6 +120,7 @@ impl TrackedRequest {
                         token_ids,
                         logprobs,
                         reason,
+                        stop,
                         usage,
                     });
                 }

@@ -26,6 +26,8 @@ pub struct OutputText {
     sent: usize,
     /// Characters of `text[..sent]`.
     sent_chars: usize,
+    /// The stop string that ended the text, once one has.
+    matched_stop: Option<usize>,
 }
 
 impl OutputText {
@@ -44,7 +46,8 @@ impl OutputText {
     pub fn push(&mut self, delta: &str, match_stops: bool) -> TextProgress {
         self.text.push_str(delta);
         if match_stops {
-            if let Some((start, stop_len)) = self.earliest_match() {
+            if let Some((start, stop_len, stop)) = self.earliest_match() {
+                self.matched_stop = Some(stop);
                 let end = if self.include_stop_string {
                     start + stop_len
                 } else {
@@ -81,12 +84,19 @@ impl OutputText {
         &self.text[..self.sent]
     }
 
-    /// (start, length) of the earliest stop-string match in the unsent text.
-    fn earliest_match(&self) -> Option<(usize, usize)> {
+    /// The stop string that ended the text, if one did.
+    pub fn matched_stop(&self) -> Option<&str> {
+        self.matched_stop.map(|stop| self.stop_strings[stop].as_str())
+    }
+
+    /// (start, length, which stop string) of the earliest stop-string match in the unsent text
+    /// (of two at the same place, the shorter and then the first listed).
+    fn earliest_match(&self) -> Option<(usize, usize, usize)> {
         let unsent = &self.text[self.sent..];
         self.stop_strings
             .iter()
-            .filter_map(|stop| unsent.find(stop.as_str()).map(|at| (self.sent + at, stop.len())))
+            .enumerate()
+            .filter_map(|(i, stop)| unsent.find(stop.as_str()).map(|at| (self.sent + at, stop.len(), i)))
             .min()
     }
 
@@ -177,10 +187,13 @@ mod tests {
     #[test]
     fn included_stop_strings_and_the_earliest_of_several() {
         let mut output = OutputText::new(vec!["world".to_owned(), "lo w".to_owned()], true, None);
+        assert_eq!(output.matched_stop(), None);
         assert_eq!(
             output.push("hello world", true),
             TextProgress::StopString("hello w".to_owned())
         );
+        // The earliest match names the stop (vLLM's `stop_reason`), not the first listed.
+        assert_eq!(output.matched_stop(), Some("lo w"));
     }
 
     #[test]

@@ -9,7 +9,7 @@ use rivulet_ipc::StepBuffer;
 use super::outbox::Outbox;
 use crate::block_manager::BlockManager;
 use crate::completion::{self, Outcome};
-use crate::request::{SamplingParams, SequenceEvent, TokenLogprob, Usage};
+use crate::request::{FinishReason, SamplingParams, SequenceEvent, StopCause, TokenLogprob, Usage};
 use crate::scheduler::StepPlan;
 use crate::sequence::Sequence;
 use crate::tokenizer::ModelTokenizer;
@@ -108,9 +108,15 @@ fn finish(mut seq: Sequence, end: Ending, blocks: &mut BlockManager, outbox: &mu
         completion_tokens: seq.num_generated() as u32,
         cached_prompt_tokens: seq.cached_prompt_tokens as u32,
     };
+    let stop = match reason {
+        FinishReason::StopString => seq.output.matched_stop().map(|stop| StopCause::String(stop.to_owned())),
+        FinishReason::StopToken => seq.tokens.last().map(|&token| StopCause::TokenId(token)),
+        _ => None,
+    };
     let last_token = seq.tokens.last().copied().into_iter().collect();
     let finished = SequenceEvent::Finished {
         reason,
+        stop,
         token_ids: last_token,
         text,
         usage,

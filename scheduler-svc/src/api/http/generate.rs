@@ -27,7 +27,7 @@ use super::translate::{output_limit, to_drafts, Endpoint};
 use super::{unix_seconds, HttpState, RequestId};
 use crate::api::tracking::{openai_finish_reason, TrackedRequest};
 use crate::api::validation::{Field, RequestDraft};
-use crate::request::{FinishReason, SequenceEvent, TokenLogprob, Usage};
+use crate::request::{FinishReason, SequenceEvent, StopCause, TokenLogprob, Usage};
 use crate::token_piece::{CharOffsets, TokenPiece};
 use crate::tokenizer::ModelTokenizer;
 
@@ -241,7 +241,13 @@ async fn whole_response(
         match result {
             Ok(done) => {
                 usage.add(index, done.usage);
-                choices.push(builder.choice(done.text, done.token_ids, &done.logprobs, Some(done.reason), false));
+                choices.push(builder.choice(
+                    done.text,
+                    done.token_ids,
+                    &done.logprobs,
+                    Some((done.reason, done.stop)),
+                    false,
+                ));
             }
             Err(error) => return ApiError::engine(&error).into_response(),
         }
@@ -306,13 +312,14 @@ fn stream_response(
                 }
                 SequenceEvent::Finished {
                     reason,
+                    stop,
                     token_ids,
                     text,
                     usage: choice_usage,
                     logprobs,
                     ..
                 } => {
-                    let choice = builder.choice(text, token_ids, &logprobs, Some(reason), true);
+                    let choice = builder.choice(text, token_ids, &logprobs, Some((reason, stop)), true);
                     out.push(json_event(&response.body(object, vec![choice], chunk_usage())));
                     usage.add(index, choice_usage);
                     unfinished -= 1;
@@ -381,13 +388,18 @@ impl ChoiceBuilder {
         text: String,
         token_ids: Vec<u32>,
         logprobs: &[TokenLogprob],
-        finish: Option<FinishReason>,
+        finish: Option<(FinishReason, Option<StopCause>)>,
         delta: bool,
     ) -> Choice {
-        let finish_reason = finish.map(openai_finish_reason);
-        // OpenAI's `finish_reason` has no word for the confidence stop: it is "stop", and the
-        // `stop_reason` field (vLLM's name; Rivulet fills it only for this) says which stop.
-        let stop_reason = finish.and_then(|reason| (reason == FinishReason::LowConfidence).then_some("low_confidence"));
+        let finish_reason = finish.as_ref().map(|(reason, _)| openai_finish_reason(*reason));
+        // vLLM's `stop_reason`: the stop string or stop token id that ended the output; and, as
+        // OpenAI's `finish_reason` has no word for the confidence stop ("stop"), "low_confidence".
+        let stop_reason = match finish {
+            Some((FinishReason::LowConfidence, _)) => Some(serde_json::json!("low_confidence")),
+            Some((_, Some(StopCause::String(stop)))) => Some(serde_json::json!(stop)),
+            Some((_, Some(StopCause::TokenId(token)))) => Some(serde_json::json!(token)),
+            _ => None,
+        };
         let logprobs = self.wants_logprobs.then(|| self.logprobs(logprobs));
         let token_ids = self.return_token_ids.then_some(token_ids);
         match self.endpoint {

@@ -213,10 +213,9 @@ pub struct Choice {
     pub delta: Option<AssistantMessage>,
     pub logprobs: Option<serde_json::Value>,
     pub finish_reason: Option<&'static str>,
-    /// vLLM's field (there: the stop string or token id that matched). Rivulet sets it only to
-    /// "low_confidence", when its confidence stop ended the output; otherwise it is left out.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub stop_reason: Option<&'static str>,
+    /// vLLM's field: the stop string or stop token id that ended the output, "low_confidence"
+    /// for Rivulet's confidence stop, else null (EOS, the length, and chunks before the last).
+    pub stop_reason: Option<serde_json::Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
 }
