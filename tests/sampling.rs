@@ -9,9 +9,11 @@ use std::collections::HashMap;
 
 use common::{greedy_request, hf_reference, shared_server};
 use futures::future::join_all;
+use rivulet::proto::generation_client::GenerationClient;
 use rivulet::proto::{GenerateRequest, SamplingParams, SchedulingPolicy, SetSchedulingPolicyRequest};
 use serde_json::json;
 use tokio_stream::StreamExt;
+use tonic::transport::Channel;
 use tonic::Code;
 
 const PROMPT: &str = "<|im_start|>user\nGive me three ideas for a weekend.<|im_end|>\n<|im_start|>assistant\n";
@@ -21,6 +23,20 @@ fn sampled(prompt: &str, max_new_tokens: u32, sampling: SamplingParams) -> Gener
         sampling: Some(sampling),
         ..greedy_request(prompt, max_new_tokens)
     }
+}
+
+/// A request with `sampling` is refused as INVALID_ARGUMENT, the message naming `field` first.
+async fn assert_invalid_naming(client: &mut GenerationClient<Channel>, sampling: SamplingParams, field: &str) {
+    let status = client
+        .generate(sampled(PROMPT, 2, sampling))
+        .await
+        .expect_err("invalid");
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().starts_with(field),
+        "{} should name {field}",
+        status.message()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -257,16 +273,7 @@ async fn top_k_one_is_greedy_and_bad_parameters_are_rejected() {
         ),
     ];
     for (sampling, field) in cases {
-        let status = client
-            .generate(sampled(PROMPT, 4, sampling))
-            .await
-            .expect_err("invalid");
-        assert_eq!(status.code(), Code::InvalidArgument);
-        assert!(
-            status.message().starts_with(field),
-            "{} should name {field}",
-            status.message()
-        );
+        assert_invalid_naming(&mut client, sampling, field).await;
     }
     let penalized = SamplingParams {
         temperature: Some(0.0),
@@ -407,15 +414,6 @@ async fn logit_bias_and_allowed_tokens_choose_what_transformers_processors_choos
             "sampling.allowed_token_ids",
         ),
     ] {
-        let status = client
-            .generate(sampled(PROMPT, 2, sampling))
-            .await
-            .expect_err("invalid");
-        assert_eq!(status.code(), Code::InvalidArgument);
-        assert!(
-            status.message().starts_with(field),
-            "{} should name {field}",
-            status.message()
-        );
+        assert_invalid_naming(&mut client, sampling, field).await;
     }
 }

@@ -90,20 +90,27 @@ choice = completion.choices[0]
 check(choice.token_ids == expected["grpc_token_ids"], f"HTTP {choice.token_ids} != gRPC {expected['grpc_token_ids']}")
 check(choice.finish_reason == "length" and completion.object == "text_completion", str(completion))
 check(completion.usage.total_tokens == completion.usage.prompt_tokens + max_tokens, str(completion.usage))
+# vLLM's return_token_ids also gives the prompt's ids, as the model reads them.
+prompt_ids = choice.prompt_token_ids
+check(len(prompt_ids) == completion.usage.prompt_tokens, f"prompt ids {prompt_ids}")
+by_ids = client.completions.create(model=model, prompt=prompt_ids, **greedy).choices[0]
+check(by_ids.prompt_token_ids == prompt_ids and by_ids.token_ids == choice.token_ids, f"by ids {by_ids}")
 stream = client.completions.create(
     model=model, prompt=prompt, stream=True, stream_options={"include_usage": True}, **greedy
 )
-text, ids, reasons, usage = "", [], [], None
+text, ids, reasons, usage, streamed_prompt = "", [], [], None, []
 for chunk in stream:
     if chunk.usage is not None:
         check(chunk.choices == [], "the usage chunk has no choices")
         usage = chunk.usage
         continue
+    streamed_prompt.append(getattr(chunk.choices[0], "prompt_token_ids", None))
     text += chunk.choices[0].text
     ids += chunk.choices[0].token_ids or []
     reasons.append(chunk.choices[0].finish_reason)
 check(ids == expected["grpc_token_ids"] and text == choice.text, f"streamed {ids} / {text!r}")
 check(reasons[-1] == "length" and all(r is None for r in reasons[:-1]), f"finish reasons {reasons}")
+check(streamed_prompt[0] == prompt_ids and not any(streamed_prompt[1:]), "prompt ids on the first chunk only")
 check(usage is not None and usage.completion_tokens == max_tokens, f"usage chunk {usage}")
 # As OpenAI sends them: every chunk before the usage chunk says `"usage": null`.
 request = urllib.request.Request(
@@ -173,14 +180,17 @@ chat = client.chat.completions.create(model=model, messages=expected["chat"], lo
 message = chat.choices[0]
 check(message.token_ids == expected["grpc_chat_token_ids"], f"chat {message.token_ids}")
 check(message.message.role == "assistant" and chat.object == "chat.completion", str(chat))
+check(len(chat.prompt_token_ids) == chat.usage.prompt_tokens, f"chat prompt ids {chat.prompt_token_ids}")
 check(len(message.logprobs.content) == max_tokens and len(message.logprobs.content[0].top_logprobs) == 2, "chat logprobs")
-pieces, roles = [], []
+pieces, roles, chunk_prompts = [], [], []
 for chunk in client.chat.completions.create(model=model, messages=expected["chat"], stream=True, **chat_greedy):
     check(chunk.object == "chat.completion.chunk", chunk.object)
+    chunk_prompts.append(getattr(chunk, "prompt_token_ids", None))
     delta = chunk.choices[0].delta
     roles.append(delta.role)
     pieces.append(delta.content or "")
 check(roles[0] == "assistant" and "".join(pieces) == message.message.content, f"chat stream {pieces}")
+check(chunk_prompts[0] == chat.prompt_token_ids and not any(chunk_prompts[1:]), "chat prompt ids once")
 print("chat: whole and streamed match gRPC")
 
 # --- several choices: a batch of prompts times n, OpenAI's order, each as it would be alone

@@ -62,17 +62,11 @@ impl Frontend {
             tracing::info!(request_id = %id, %error, "request refused");
             error
         })?;
-        let prompt_tokens = request.prompt_ids.len();
+        let prompt_ids = request.prompt_ids.clone();
         let events = self.engine.submit(request).map_err(|error| {
             tracing::info!(request_id = %id, %error, "request refused");
             error
         })?;
-        Ok(TrackedRequest::new(
-            id,
-            front,
-            prompt_tokens,
-            events,
-            self.metrics.clone(),
-        ))
+        Ok(TrackedRequest::new(id, front, prompt_ids, events, self.metrics.clone()))
     }
 }

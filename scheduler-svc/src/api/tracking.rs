@@ -42,7 +42,8 @@ pub struct TrackedRequest {
     front: &'static str,
     events: UnboundedReceiver<SequenceEvent>,
     metrics: Arc<Metrics>,
-    prompt_tokens: usize,
+    /// The prompt as the model reads it (vLLM's `prompt_token_ids`, for `return_token_ids`).
+    prompt_ids: Vec<u32>,
     submitted: Instant,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
@@ -57,7 +58,7 @@ impl TrackedRequest {
     pub fn new(
         id: String,
         front: &'static str,
-        prompt_tokens: usize,
+        prompt_ids: Vec<u32>,
         events: UnboundedReceiver<SequenceEvent>,
         metrics: Arc<Metrics>,
     ) -> Self {
@@ -66,7 +67,7 @@ impl TrackedRequest {
             front,
             events,
             metrics,
-            prompt_tokens,
+            prompt_ids,
             submitted: Instant::now(),
             first_token: None,
             last_token: None,
@@ -74,6 +75,11 @@ impl TrackedRequest {
             outcome: None,
             held: None,
         }
+    }
+
+    /// The prompt's token ids.
+    pub fn prompt_ids(&self) -> &[u32] {
+        &self.prompt_ids
     }
 
     /// Waits until the request's first event (its first token, or its end) has arrived, and keeps
@@ -143,7 +149,7 @@ impl TrackedRequest {
                     self.metrics
                         .time_to_first_token
                         .observe(self.submitted.elapsed().as_secs_f64());
-                    self.metrics.prompt_tokens.inc_by(self.prompt_tokens as u64);
+                    self.metrics.prompt_tokens.inc_by(self.prompt_ids.len() as u64);
                 }
                 Some(last) => {
                     // vLLM's per-token figure: the gap before each output token after the first.
@@ -163,7 +169,7 @@ impl TrackedRequest {
                 let total = self.submitted.elapsed();
                 metrics.e2e_request_latency.observe(total.as_secs_f64());
                 metrics.request_queue_time.observe(queue_time.as_secs_f64());
-                metrics.request_prompt_tokens.observe(self.prompt_tokens as f64);
+                metrics.request_prompt_tokens.observe(self.prompt_ids.len() as f64);
                 metrics.request_generation_tokens.observe(self.generated as f64);
                 if let (Some(first), true) = (self.first_token, self.generated > 1) {
                     let per_token = first.elapsed() / (self.generated as u32 - 1);
@@ -191,7 +197,7 @@ impl TrackedRequest {
         tracing::info!(
             request_id = %self.id,
             front = self.front,
-            prompt_tokens = self.prompt_tokens,
+            prompt_tokens = self.prompt_ids.len(),
             generated_tokens = self.generated,
             time_to_first_token_ms = ttft.map(|t| t.as_secs_f64() * 1e3),
             total_ms = self.submitted.elapsed().as_secs_f64() * 1e3,

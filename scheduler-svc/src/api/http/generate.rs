@@ -98,12 +98,15 @@ async fn generate(
         created: unix_seconds(),
         model: state.front.served_model_name().to_owned(),
     };
-    let builders = (0..requests.len())
-        .map(|index| ChoiceBuilder {
+    let builders = requests
+        .iter()
+        .enumerate()
+        .map(|(index, request)| ChoiceBuilder {
             index: index as u32,
             endpoint,
             tokenizer: state.front.validator.tokenizer.clone(),
             return_token_ids,
+            prompt_token_ids: return_token_ids.then(|| request.prompt_ids().to_vec()),
             wants_logprobs,
             offsets: CharOffsets::default(),
         })
@@ -195,6 +198,7 @@ impl ResponseShape {
             created: self.created,
             model: self.model.clone(),
             choices,
+            prompt_token_ids: None,
             usage,
         }
     }
@@ -253,7 +257,9 @@ async fn whole_response(
         }
     }
     let object = response.endpoint.object(false);
-    Json(response.body(object, choices, Some(Some(usage_body(usage.total))))).into_response()
+    let mut body = response.body(object, choices, Some(Some(usage_body(usage.total))));
+    body.prompt_token_ids = chat_prompt_token_ids(response.endpoint, &mut builders);
+    Json(body).into_response()
 }
 
 fn stream_response(
@@ -266,6 +272,7 @@ fn stream_response(
     let object = response.endpoint.object(true);
     // OpenAI's chunks carry `"usage": null` before the last one when the usage was asked for.
     let chunk_usage = move || include_usage.then_some(None);
+    let mut prompt_token_ids = chat_prompt_token_ids(response.endpoint, &mut builders);
     let openings: Vec<_> = match response.endpoint {
         Endpoint::Chat => builders
             .iter()
@@ -278,7 +285,9 @@ fn stream_response(
                     }),
                     ..empty_choice()
                 };
-                json_event(&response.body(object, vec![choice], chunk_usage()))
+                let mut body = response.body(object, vec![choice], chunk_usage());
+                body.prompt_token_ids = prompt_token_ids.take();
+                json_event(&body)
             })
             .collect(),
         Endpoint::Completions => Vec::new(),
@@ -343,6 +352,15 @@ fn stream_response(
     Sse::new(stream::iter(openings).chain(chunks).chain(done)).keep_alive(KeepAlive::default())
 }
 
+/// Chat's prompt ids, once a response (its choices share one conversation), where
+/// `return_token_ids` asked for them; completions list them by choice.
+fn chat_prompt_token_ids(endpoint: Endpoint, builders: &mut [ChoiceBuilder]) -> Option<Vec<u32>> {
+    match endpoint {
+        Endpoint::Chat => builders.first_mut().and_then(|builder| builder.prompt_token_ids.take()),
+        Endpoint::Completions => None,
+    }
+}
+
 fn json_event(value: &impl serde::Serialize) -> Result<Event, Infallible> {
     Ok(Event::default().data(serde_json::to_string(value).unwrap_or_default()))
 }
@@ -357,6 +375,7 @@ fn empty_choice() -> Choice {
         finish_reason: None,
         stop_reason: None,
         token_ids: None,
+        prompt_token_ids: None,
     }
 }
 
@@ -377,6 +396,9 @@ struct ChoiceBuilder {
     endpoint: Endpoint,
     tokenizer: Arc<ModelTokenizer>,
     return_token_ids: bool,
+    /// With `return_token_ids`, the prompt's ids until they are sent (once a choice on
+    /// completions, once a response on chat).
+    prompt_token_ids: Option<Vec<u32>>,
     wants_logprobs: bool,
     /// Characters of the choice's text before each listed token (completions' `text_offset`).
     offsets: CharOffsets,
@@ -410,6 +432,7 @@ impl ChoiceBuilder {
                 finish_reason,
                 stop_reason,
                 token_ids,
+                prompt_token_ids: self.prompt_token_ids.take(),
                 ..empty_choice()
             },
             Endpoint::Chat => {

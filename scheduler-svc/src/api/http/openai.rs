@@ -218,6 +218,10 @@ pub struct Choice {
     pub stop_reason: Option<serde_json::Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
+    /// Completions' (vLLM's `return_token_ids`): the prompt's ids, in a stream on the choice's
+    /// first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
 }
 
 /// A whole response or one streamed chunk.
@@ -228,6 +232,9 @@ pub struct ResponseBody {
     pub created: u64,
     pub model: String,
     pub choices: Vec<Choice>,
+    /// Chat's (vLLM's `return_token_ids`): the prompt's ids, in a stream on the first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
     /// Left out where the response has no usage; `null` in every chunk but the last of a stream
     /// asked for its usage (`stream_options.include_usage`), as OpenAI sends them.
     #[serde(skip_serializing_if = "Option::is_none")]
