@@ -100,6 +100,7 @@ async fn a_stop_string_spanning_tokens_ends_the_output_and_is_trimmed() {
         (FinishReason::StopString, FinishReason::StopString)
     );
     assert_eq!((limited.text.as_str(), streamed.as_str()), (&full[..cut], &full[..cut]));
+    assert_eq!(limited.stop_string.as_deref(), Some(stop.as_str()));
 
     let keep = StoppingCriteria {
         include_stop_str_in_output: true,

@@ -132,6 +132,22 @@ pub enum StopCause {
     TokenId(u32),
 }
 
+impl StopCause {
+    pub fn stop_string(&self) -> Option<&str> {
+        match self {
+            Self::String(stop) => Some(stop),
+            Self::TokenId(_) => None,
+        }
+    }
+
+    pub fn token_id(&self) -> Option<u32> {
+        match self {
+            Self::TokenId(token) => Some(*token),
+            Self::String(_) => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
     pub prompt_tokens: u32,

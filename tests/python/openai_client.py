@@ -199,6 +199,10 @@ check([c.index for c in batch.choices] == [0, 1, 2, 3], f"indexes {[c.index for 
 long_ids = known[0].choices[0].token_ids
 for c, ids in zip(batch.choices, [expected["grpc_token_ids"]] * 2 + [long_ids] * 2):
     check(c.token_ids == ids, f"choice {c.index}: {c.token_ids} != {ids}")
+# Each choice with its own prompt's ids.
+long_prompt_ids = known[0].choices[0].prompt_token_ids
+for c, ids in zip(batch.choices, [prompt_ids] * 2 + [long_prompt_ids] * 2):
+    check(c.prompt_token_ids == ids, f"choice {c.index}: the prompt ids of another prompt")
 check(
     batch.usage.completion_tokens == 4 * max_tokens
     and batch.usage.prompt_tokens == completion.usage.prompt_tokens + known[0].usage.prompt_tokens,
@@ -217,11 +221,15 @@ first, again = (client.completions.create(model=model, prompt=prompt, **seeded) 
 draws = [c.token_ids for c in first.choices]
 check(draws == [c.token_ids for c in again.choices], "a seeded request draws the same choices again")
 check(len({tuple(d) for d in draws}) > 1, f"n seeded choices draw differently: {draws}")
-streamed = {}
+streamed, opened = {}, {}
 for chunk in client.chat.completions.create(model=model, messages=expected["chat"], n=2, stream=True, **chat_greedy):
     for c in chunk.choices:
         streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+        if c.delta.role == "assistant":
+            opened[c.index] = getattr(chunk, "prompt_token_ids", None)
 check(streamed == {0: message.message.content, 1: message.message.content}, f"streamed chat choices {streamed}")
+# As vLLM: each choice's first chunk carries the conversation's ids.
+check(opened == {0: chat.prompt_token_ids, 1: chat.prompt_token_ids}, f"prompt ids on each opening: {opened}")
 print("choices: a batch of prompts and n, whole and streamed")
 
 # --- logit_bias (OpenAI's, keys as strings) and vLLM's allowed_token_ids steer the choice

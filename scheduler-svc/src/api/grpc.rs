@@ -155,8 +155,12 @@ impl Generation for GenerationService {
             finish_reason: proto_reason(completed.reason) as i32,
             usage: Some(proto_usage(completed.usage)),
             logprobs: completed.logprobs.into_iter().map(proto_logprob).collect(),
-            stop_string: stop_string(&completed.stop),
-            stop_token_id: stop_token_id(&completed.stop),
+            stop_string: completed
+                .stop
+                .as_ref()
+                .and_then(StopCause::stop_string)
+                .map(str::to_owned),
+            stop_token_id: completed.stop.as_ref().and_then(StopCause::token_id),
         };
         Ok(with_request_id(response, events.id()))
     }
@@ -200,24 +204,10 @@ fn stream_message(event: SequenceEvent) -> Result<proto::GenerateStreamResponse,
             finish_reason: proto_reason(reason) as i32,
             usage: Some(proto_usage(usage)),
             logprobs: logprobs.into_iter().map(proto_logprob).collect(),
-            stop_string: stop_string(&stop),
-            stop_token_id: stop_token_id(&stop),
+            stop_string: stop.as_ref().and_then(StopCause::stop_string).map(str::to_owned),
+            stop_token_id: stop.as_ref().and_then(StopCause::token_id),
         }),
         SequenceEvent::Failed(error) => Err(engine_status(error)),
-    }
-}
-
-fn stop_string(stop: &Option<StopCause>) -> Option<String> {
-    match stop {
-        Some(StopCause::String(stop)) => Some(stop.clone()),
-        _ => None,
-    }
-}
-
-fn stop_token_id(stop: &Option<StopCause>) -> Option<u32> {
-    match stop {
-        Some(StopCause::TokenId(token)) => Some(*token),
-        _ => None,
     }
 }
 

@@ -192,7 +192,8 @@ mod tests {
             output.push("hello world", true),
             TextProgress::StopString("hello w".to_owned())
         );
-        // The earliest match names the stop (vLLM's `stop_reason`), not the first listed.
+        // The earliest match names the stop (`stop_reason`) where it cuts the text; vLLM's names
+        // the first listed stop string that matches, and cuts there.
         assert_eq!(output.matched_stop(), Some("lo w"));
     }
 

@@ -272,7 +272,7 @@ fn stream_response(
     let object = response.endpoint.object(true);
     // OpenAI's chunks carry `"usage": null` before the last one when the usage was asked for.
     let chunk_usage = move || include_usage.then_some(None);
-    let mut prompt_token_ids = chat_prompt_token_ids(response.endpoint, &mut builders);
+    let prompt_token_ids = chat_prompt_token_ids(response.endpoint, &mut builders);
     let openings: Vec<_> = match response.endpoint {
         Endpoint::Chat => builders
             .iter()
@@ -285,8 +285,9 @@ fn stream_response(
                     }),
                     ..empty_choice()
                 };
+                // As vLLM: each choice's first chunk carries the conversation's ids.
                 let mut body = response.body(object, vec![choice], chunk_usage());
-                body.prompt_token_ids = prompt_token_ids.take();
+                body.prompt_token_ids = prompt_token_ids.clone();
                 json_event(&body)
             })
             .collect(),
@@ -352,8 +353,8 @@ fn stream_response(
     Sse::new(stream::iter(openings).chain(chunks).chain(done)).keep_alive(KeepAlive::default())
 }
 
-/// Chat's prompt ids, once a response (its choices share one conversation), where
-/// `return_token_ids` asked for them; completions list them by choice.
+/// Chat's prompt ids (its choices share one conversation), where `return_token_ids` asked for
+/// them; completions list them by choice.
 fn chat_prompt_token_ids(endpoint: Endpoint, builders: &mut [ChoiceBuilder]) -> Option<Vec<u32>> {
     match endpoint {
         Endpoint::Chat => builders.first_mut().and_then(|builder| builder.prompt_token_ids.take()),

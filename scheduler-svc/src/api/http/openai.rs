@@ -232,7 +232,8 @@ pub struct ResponseBody {
     pub created: u64,
     pub model: String,
     pub choices: Vec<Choice>,
-    /// Chat's (vLLM's `return_token_ids`): the prompt's ids, in a stream on the first chunk.
+    /// Chat's (vLLM's `return_token_ids`): the prompt's ids, in a stream on each choice's first
+    /// chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<u32>>,
     /// Left out where the response has no usage; `null` in every chunk but the last of a stream
