@@ -258,15 +258,20 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_row_holds_its_sequences_blocks_then_zeros_whatever_an_earlier_step_left_in_it() {
+    /// A fresh step buffer of room for `max_seqs` one-token sequences of `max_blocks_per_seq`.
+    fn buffer(max_seqs: u32, max_blocks_per_seq: u32) -> StepBuffer {
         let capacity = StepCapacity {
-            max_tokens: 4,
-            max_seqs: 2,
-            max_blocks_per_seq: 5,
+            max_tokens: max_seqs,
+            max_seqs,
+            max_blocks_per_seq,
             max_history_tokens: 16,
         };
-        let mut buffer = StepBuffer::create(capacity).expect("create");
+        StepBuffer::create(capacity).expect("create")
+    }
+
+    #[test]
+    fn a_row_holds_its_sequences_blocks_then_zeros_whatever_an_earlier_step_left_in_it() {
+        let mut buffer = buffer(2, 5);
         let layout = *buffer.layout();
         let mut writer = StepWriter::default();
         let long = vec![resident(1, 8, vec![3, 4, 5, 6]), resident(2, 4, vec![7, 8])];
@@ -305,13 +310,7 @@ mod tests {
 
     #[test]
     fn a_row_holds_the_requests_biases_then_bans_its_stopping_tokens_short_of_min_new_tokens() {
-        let capacity = StepCapacity {
-            max_tokens: 4,
-            max_seqs: 4,
-            max_blocks_per_seq: 2,
-            max_history_tokens: 16,
-        };
-        let mut buffer = StepBuffer::create(capacity).expect("create");
+        let mut buffer = buffer(4, 2);
         let eos = [2];
         let minus = f32::NEG_INFINITY;
         let with = |logit_bias: Vec<(u32, f32)>, allowed_only: bool, min_new_tokens: u32| {
