@@ -97,6 +97,10 @@ async fn generate(
         },
         created: unix_seconds(),
         model: state.front.served_model_name().to_owned(),
+        // Chat's choices share one conversation: its ids go on the response, not on each choice.
+        chat_prompt_token_ids: (return_token_ids && endpoint == Endpoint::Chat)
+            .then(|| requests.first().map(|request| request.prompt_ids().to_vec()))
+            .flatten(),
     };
     let builders = requests
         .iter()
@@ -106,7 +110,8 @@ async fn generate(
             endpoint,
             tokenizer: state.front.validator.tokenizer.clone(),
             return_token_ids,
-            prompt_token_ids: return_token_ids.then(|| request.prompt_ids().to_vec()),
+            prompt_token_ids: (return_token_ids && endpoint == Endpoint::Completions)
+                .then(|| request.prompt_ids().to_vec()),
             wants_logprobs,
             offsets: CharOffsets::default(),
         })
@@ -188,6 +193,9 @@ struct ResponseShape {
     id: String,
     created: u64,
     model: String,
+    /// With `return_token_ids` on chat, the conversation's ids (vLLM's `prompt_token_ids`): on the
+    /// whole response, or on each choice's first chunk.
+    chat_prompt_token_ids: Option<Vec<u32>>,
 }
 
 impl ResponseShape {
@@ -258,7 +266,7 @@ async fn whole_response(
     }
     let object = response.endpoint.object(false);
     let mut body = response.body(object, choices, Some(Some(usage_body(usage.total))));
-    body.prompt_token_ids = chat_prompt_token_ids(response.endpoint, &mut builders);
+    body.prompt_token_ids = response.chat_prompt_token_ids.clone();
     Json(body).into_response()
 }
 
@@ -272,7 +280,6 @@ fn stream_response(
     let object = response.endpoint.object(true);
     // OpenAI's chunks carry `"usage": null` before the last one when the usage was asked for.
     let chunk_usage = move || include_usage.then_some(None);
-    let prompt_token_ids = chat_prompt_token_ids(response.endpoint, &mut builders);
     let openings: Vec<_> = match response.endpoint {
         Endpoint::Chat => builders
             .iter()
@@ -287,7 +294,7 @@ fn stream_response(
                 };
                 // As vLLM: each choice's first chunk carries the conversation's ids.
                 let mut body = response.body(object, vec![choice], chunk_usage());
-                body.prompt_token_ids = prompt_token_ids.clone();
+                body.prompt_token_ids = response.chat_prompt_token_ids.clone();
                 json_event(&body)
             })
             .collect(),
@@ -353,15 +360,6 @@ fn stream_response(
     Sse::new(stream::iter(openings).chain(chunks).chain(done)).keep_alive(KeepAlive::default())
 }
 
-/// Chat's prompt ids (its choices share one conversation), where `return_token_ids` asked for
-/// them; completions list them by choice.
-fn chat_prompt_token_ids(endpoint: Endpoint, builders: &mut [ChoiceBuilder]) -> Option<Vec<u32>> {
-    match endpoint {
-        Endpoint::Chat => builders.first_mut().and_then(|builder| builder.prompt_token_ids.take()),
-        Endpoint::Completions => None,
-    }
-}
-
 fn json_event(value: &impl serde::Serialize) -> Result<Event, Infallible> {
     Ok(Event::default().data(serde_json::to_string(value).unwrap_or_default()))
 }
@@ -397,8 +395,8 @@ struct ChoiceBuilder {
     endpoint: Endpoint,
     tokenizer: Arc<ModelTokenizer>,
     return_token_ids: bool,
-    /// With `return_token_ids`, the prompt's ids until they are sent (once a choice on
-    /// completions, once a response on chat).
+    /// With `return_token_ids` on completions, the prompt's ids until the choice's first chunk
+    /// (or its whole response) takes them.
     prompt_token_ids: Option<Vec<u32>>,
     wants_logprobs: bool,
     /// Characters of the choice's text before each listed token (completions' `text_offset`).
@@ -474,10 +472,7 @@ impl ChoiceBuilder {
                     // as OpenAI defines them and vLLM lists them.
                     let mut top = serde_json::Map::new();
                     for (id, logprob) in std::iter::once((lp.token_id, lp.logprob)).chain(lp.top.iter().copied()) {
-                        let text = self.piece(id).text;
-                        if !top.contains_key(&text) {
-                            top.insert(text, serde_json::json!(logprob));
-                        }
+                        top.entry(self.piece(id).text).or_insert(serde_json::json!(logprob));
                     }
                     out.text_offset.push(self.offsets.offset());
                     self.offsets.push(&piece.text_bytes);
