@@ -417,3 +417,112 @@ async fn logit_bias_and_allowed_tokens_choose_what_transformers_processors_choos
         assert_invalid_naming(&mut client, sampling, field).await;
     }
 }
+
+/// vLLM's prompt logprobs: each prompt token's log-probability given the tokens before it, its
+/// rank and alternatives, against transformers' log-softmax over the same prompt — on a prompt
+/// longer than a step's token budget (so its scores come from several prefill chunks), asked
+/// twice (the second time its blocks are in the prefix cache, which such a request must not
+/// read: the cache holds no logits) and streamed (the first message carries them alone).
+#[tokio::test(flavor = "multi_thread")]
+async fn prompt_logprobs_match_transformers_over_chunks_and_skip_the_prefix_cache() {
+    const ALTERNATIVES: u32 = 3;
+    let mut client = shared_server().client().await;
+    let prompt = "The river ran past the mill, and the miller counted the sacks of flour one by one. ".repeat(18);
+    let request = sampled(
+        &prompt,
+        2,
+        SamplingParams {
+            temperature: Some(0.0),
+            prompt_logprobs: Some(ALTERNATIVES),
+            ..Default::default()
+        },
+    );
+    let first = client.generate(request.clone()).await.expect("first").into_inner();
+    let again = client.generate(request.clone()).await.expect("again").into_inner();
+    let usage = again.usage.expect("usage");
+    assert!(
+        usage.prompt_tokens > 300,
+        "{} prompt tokens: not chunked",
+        usage.prompt_tokens
+    );
+    assert_eq!(usage.cached_prompt_tokens, 0, "prompt logprobs read the prefix cache");
+    assert_eq!(first.prompt_logprobs.len(), usage.prompt_tokens as usize - 1);
+    assert_eq!(
+        first.prompt_logprobs, again.prompt_logprobs,
+        "the same prompt scored twice"
+    );
+
+    let mut stream = client.stream_generate(request).await.expect("stream").into_inner();
+    let opening = stream.next().await.expect("a first message").expect("message");
+    assert!(opening.token_ids.is_empty() && opening.text.is_empty());
+    assert_eq!(opening.prompt_logprobs, first.prompt_logprobs);
+    while let Some(message) = stream.next().await {
+        assert!(message.expect("message").prompt_logprobs.is_empty(), "scores sent once");
+    }
+
+    let text = prompt.clone();
+    let prompt_ids: Vec<u32> = serde_json::from_value(
+        tokio::task::spawn_blocking(move || hf_reference(json!({"task": "tokenize", "texts": [text]})))
+            .await
+            .expect("tokenize")["ids"][0]
+            .clone(),
+    )
+    .expect("ids");
+    assert_eq!(prompt_ids.len(), usage.prompt_tokens as usize);
+    let (head, rest) = (vec![prompt_ids[0]], prompt_ids[1..].to_vec());
+    let reference = tokio::task::spawn_blocking(move || {
+        hf_reference(json!({"task": "logprobs", "prompt_ids": head, "output_ids": rest, "top": ALTERNATIVES}))
+    })
+    .await
+    .expect("reference");
+    let steps = reference["steps"].as_array().expect("steps");
+    assert_eq!(steps.len(), first.prompt_logprobs.len());
+    for (i, (ours, theirs)) in first.prompt_logprobs.iter().zip(steps).enumerate() {
+        assert_eq!(
+            ours.token_id,
+            prompt_ids[i + 1],
+            "entry {i} scores prompt token {}",
+            i + 1
+        );
+        let expected = theirs["logprob"].as_f64().expect("logprob");
+        assert!(
+            (f64::from(ours.logprob) - expected).abs() < 1e-3,
+            "prompt token {}: {} vs {expected}",
+            i + 1,
+            ours.logprob
+        );
+        let top_values: Vec<f64> = serde_json::from_value(theirs["top_values"].clone()).expect("values");
+        assert_eq!(ours.top.len(), ALTERNATIVES as usize);
+        for (k, alternative) in ours.top.iter().enumerate() {
+            assert!(
+                (f64::from(alternative.logprob) - top_values[k]).abs() < 1e-3,
+                "token {} rank {k}",
+                i + 1
+            );
+        }
+        // The rank counts the tokens at least as likely: 1 for the likeliest, and where the token
+        // is among the listed alternatives, its place there.
+        assert!(ours.rank >= 1);
+        let likelier = top_values.iter().filter(|&&v| v > expected + 1e-3).count() as u32;
+        if (likelier as usize) < top_values.len() {
+            assert!(
+                ours.rank > likelier && ours.rank <= likelier + 2,
+                "prompt token {}: rank {} with {likelier} likelier alternatives",
+                i + 1,
+                ours.rank
+            );
+        } else {
+            assert!(ours.rank > ALTERNATIVES, "prompt token {}: rank {}", i + 1, ours.rank);
+        }
+    }
+
+    assert_invalid_naming(
+        &mut client,
+        SamplingParams {
+            prompt_logprobs: Some(21),
+            ..Default::default()
+        },
+        "sampling.prompt_logprobs",
+    )
+    .await;
+}

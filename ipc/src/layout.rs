@@ -18,8 +18,8 @@ use serde::{Deserialize, Serialize};
 pub const STEP_MAGIC: u32 = 0x5256_4C54; // "RVLT"
 /// Bumped whenever the buffer's layout changes (2: sampling parameters became [`SeqSampling`] rows;
 /// 3: `banned_count` and `banned_tokens`; 4: those became the rows of logit biases, and
-/// [`SeqSampling::allowed_only`]).
-pub const STEP_LAYOUT_VERSION: u32 = 4;
+/// [`SeqSampling::allowed_only`]; 5: prompt logprobs, `prompt_logprob_*`).
+pub const STEP_LAYOUT_VERSION: u32 = 5;
 const ARRAY_ALIGN: usize = 64;
 
 /// Written by the scheduler before each `Step`; read by the worker.
@@ -292,6 +292,22 @@ step_arrays! {
     history_prompt_len: i64 [seqs],
     /// Every history's token ids, back to back.
     history_tokens: i64 [history],
+
+    // Inputs: prompt logprobs (vLLM's `prompt_logprobs`), for the sequences that asked for them.
+    /// Per sequence: alternatives to report for each of its rows below (`0..=MAX_TOP_LOGPROBS`),
+    /// or −1 when it has none.
+    prompt_logprob_top: i64 [seqs],
+    /// Per token: the prompt token that follows it, whose log-probability given the context up to
+    /// and including this token is wanted; −1 for none (every token of a sequence without prompt
+    /// logprobs, and a prompt's last token, whose follower is sampled).
+    prompt_logprob_targets: i64 [tokens],
+
+    // Outputs, per token with a target above: its log-probability, its rank (1 + how many tokens
+    // are likelier), and the likeliest alternatives, laid out as the per-sequence ones below.
+    prompt_logprobs: f32 [tokens],
+    prompt_logprob_ranks: i64 [tokens],
+    prompt_top_logprob_ids: i64 [tokens * MAX_TOP_LOGPROBS],
+    prompt_top_logprob_values: f32 [tokens * MAX_TOP_LOGPROBS],
 
     // Outputs, per sequence.
     /// The sampled token.

@@ -26,6 +26,10 @@ pub struct SamplingParams {
     /// Only `logit_bias`'s tokens may be chosen (vLLM's `allowed_token_ids`: then `logit_bias`
     /// lists every allowed token, with its bias or 0).
     pub allowed_only: bool,
+    /// vLLM's `prompt_logprobs`: each prompt token's log-probability (after the first), with this
+    /// many likeliest alternatives. Such a request's prompt is computed whole, never read from
+    /// the prefix cache, whose blocks hold keys and values but no logits.
+    pub prompt_logprobs: Option<u32>,
 }
 
 impl SamplingParams {
@@ -60,6 +64,7 @@ impl Default for SamplingParams {
             top_logprobs: 0,
             logit_bias: Vec::new(),
             allowed_only: false,
+            prompt_logprobs: None,
         }
     }
 }
@@ -69,6 +74,16 @@ impl Default for SamplingParams {
 pub struct TokenLogprob {
     pub token_id: u32,
     pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// A prompt token's log-probability given the tokens before it (vLLM's prompt logprobs), its
+/// rank among the vocabulary (1: the likeliest) and the likeliest alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptTokenLogprob {
+    pub token_id: u32,
+    pub logprob: f32,
+    pub rank: u32,
     pub top: Vec<(u32, f32)>,
 }
 
@@ -158,6 +173,9 @@ pub struct Usage {
 /// What the engine sends back on a request's stream.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SequenceEvent {
+    /// The prompt's logprobs, when the request asked for them: one per prompt token after the
+    /// first, sent just before the first `Tokens` (or `Finished`).
+    PromptLogprobs(Vec<PromptTokenLogprob>),
     /// New tokens and the text they complete (possibly empty while a character is incomplete).
     Tokens {
         token_ids: Vec<u32>,

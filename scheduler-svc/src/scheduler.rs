@@ -23,7 +23,7 @@ pub mod adaptive;
 
 use std::collections::HashSet;
 
-use crate::block_manager::{Admission, BlockManager};
+use crate::block_manager::{Admission, BlockManager, PrefixMatch};
 use crate::queue::WaitingQueue;
 use crate::sequence::{Sequence, SequenceId};
 
@@ -247,7 +247,12 @@ fn admit(
     budget: usize,
 ) -> Option<(usize, bool)> {
     let mut seq = waiting.remove(id)?;
-    let prefix = blocks.match_prefix(&seq.tokens);
+    // A prompt whose tokens are scored is computed whole: cached blocks hold no logits.
+    let prefix = if seq.scores_prompt() {
+        PrefixMatch::default()
+    } else {
+        blocks.match_prefix(&seq.tokens)
+    };
     seq.blocks = prefix.blocks;
     seq.block_hashes = prefix.hashes;
     seq.num_computed = prefix.tokens;

@@ -9,7 +9,7 @@ use crate::block_manager::BlockManager;
 use crate::completion::OutputText;
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::queue_ticket::QueueTicket;
-use crate::request::{GenerationRequest, SequenceEvent};
+use crate::request::{GenerationRequest, PromptTokenLogprob, SequenceEvent};
 
 pub type SequenceId = u64;
 
@@ -26,6 +26,9 @@ pub struct Sequence {
     pub block_hashes: Vec<u64>,
     /// Prompt tokens served from the prefix cache at first admission.
     pub cached_prompt_tokens: usize,
+    /// The prompt logprobs read so far (entry `i` for prompt token `i + 1`), until the first
+    /// token takes them to the client.
+    pub prompt_logprobs: Vec<PromptTokenLogprob>,
     pub detokenizer: IncrementalDetokenizer,
     /// Stop strings and the character limit, applied to the detokenized text.
     pub output: OutputText,
@@ -62,6 +65,7 @@ impl Sequence {
             blocks: Vec::new(),
             block_hashes: Vec::new(),
             cached_prompt_tokens: 0,
+            prompt_logprobs: Vec::new(),
             detokenizer: IncrementalDetokenizer::default(),
             events,
             unrouted_since: Some(Instant::now()),
@@ -76,6 +80,12 @@ impl Sequence {
 
     pub fn num_generated(&self) -> usize {
         self.tokens.len() - self.prompt_len()
+    }
+
+    /// Whether its steps score its prompt tokens: it asked for prompt logprobs and has not yet
+    /// had its first token, which takes them to the client.
+    pub fn scores_prompt(&self) -> bool {
+        self.request.sampling.prompt_logprobs.is_some() && self.num_generated() == 0
     }
 
     /// Tokens not yet in the KV cache: the prompt (or a preempted sequence's whole history) before

@@ -85,6 +85,7 @@ impl StepWriter {
         }
         write_logit_biases(buffer, plan, running, eos_token_ids);
         write_penalty_histories(buffer, plan, running);
+        write_prompt_targets(buffer, plan, running);
         self.write_block_tables(buffer, plan, running);
     }
 
@@ -184,6 +185,33 @@ fn write_logit_biases(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Seque
     for (row, s) in values.chunks_exact_mut(MAX_LOGIT_BIAS).zip(&plan.seqs) {
         for (slot, (_, value)) in row.iter_mut().zip(entries(s)) {
             *slot = value;
+        }
+    }
+}
+
+/// For sequences whose prompt is scored ([`Sequence::scores_prompt`]), how many alternatives
+/// each token's score lists and, for each of their tokens, the prompt token after it (−1 past the
+/// prompt's second-to-last token: the last one's follower is sampled); −1 for everyone else.
+fn write_prompt_targets(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Sequence]) {
+    let layout = *buffer.layout();
+    let scheduled = || plan.seqs.iter().map(|s| (s, &running[s.running_index]));
+    let tops = buffer.array_mut(layout.prompt_logprob_top);
+    for (top, (_, seq)) in tops.iter_mut().zip(scheduled()) {
+        *top = match seq.request.sampling.prompt_logprobs {
+            Some(alternatives) if seq.scores_prompt() => i64::from(alternatives),
+            _ => -1,
+        };
+    }
+    let targets = buffer.array_mut(layout.prompt_logprob_targets);
+    let mut t = 0;
+    for (s, seq) in scheduled() {
+        let scored = seq.scores_prompt();
+        for position in seq.num_computed..seq.num_computed + s.num_tokens {
+            targets[t] = match seq.request.prompt_ids.get(position + 1) {
+                Some(&next) if scored => i64::from(next),
+                _ => -1,
+            };
+            t += 1;
         }
     }
 }
@@ -354,5 +382,46 @@ mod tests {
         plan.seqs[0].sample = false;
         writer.write(&mut buffer, 2, &plan, &running, 16, &eos);
         assert_eq!(bias_rows(&buffer, 1), vec![Vec::new()]);
+    }
+
+    #[test]
+    fn a_scored_prompts_tokens_name_their_followers_until_its_first_token() {
+        let mut buffer = buffer(5, 2);
+        let layout = *buffer.layout();
+        let mut scored = resident(1, 5, vec![1]);
+        scored.request.prompt_ids = vec![10, 11, 12, 13, 14];
+        scored.tokens = scored.request.prompt_ids.clone();
+        scored.request.sampling.prompt_logprobs = Some(2);
+        scored.num_computed = 1;
+        let plain = resident(2, 3, vec![2]);
+        // The scored prompt's last 4 tokens (a chunk through its end), the other's last token.
+        let plan = StepPlan {
+            seqs: vec![
+                ScheduledSeq {
+                    running_index: 0,
+                    num_tokens: 4,
+                    sample: true,
+                },
+                ScheduledSeq {
+                    running_index: 1,
+                    num_tokens: 1,
+                    sample: true,
+                },
+            ],
+            num_tokens: 5,
+            ..StepPlan::default()
+        };
+        let mut running = vec![scored, plain];
+        let mut writer = StepWriter::default();
+        writer.write(&mut buffer, 1, &plan, &running, 16, &[]);
+        assert_eq!(&buffer.array(layout.prompt_logprob_top)[..2], &[2, -1]);
+        // Tokens 11, 12, 13 are followed by 12, 13, 14; 14's follower is sampled.
+        assert_eq!(&buffer.array(layout.prompt_logprob_targets)[..5], &[12, 13, 14, -1, -1]);
+        // Once it has its first token, its prompt is no longer scored (even when recomputed).
+        running[0].tokens.push(99);
+        running[0].num_computed = 0;
+        writer.write(&mut buffer, 2, &plan, &running, 16, &[]);
+        assert_eq!(&buffer.array(layout.prompt_logprob_top)[..2], &[-1, -1]);
+        assert_eq!(&buffer.array(layout.prompt_logprob_targets)[..5], &[-1; 5]);
     }
 }

@@ -258,6 +258,53 @@ except openai.BadRequestError as error:
     check(error.body["param"] == "allowed_token_ids", f"{error.body}")
 print("logit_bias and allowed_token_ids: steer the choice, bad ones refused")
 
+# --- echo (OpenAI's) and prompt_logprobs (vLLM's): the prompt repeated, and each of its tokens
+# scored given the ones before it (the first has nothing before it: null)
+plain = client.completions.create(model=model, prompt=prompt, **greedy).choices[0]
+only = client.completions.create(model=model, prompt=prompt, echo=True, max_tokens=0, logprobs=2)
+scored = only.choices[0]
+check(scored.text == prompt and scored.finish_reason == "length", f"echo alone: {scored.text!r} {scored.finish_reason}")
+check(only.usage.completion_tokens == 0, f"echo alone generates nothing: {only.usage}")
+echoed = scored.logprobs
+check(len(echoed.tokens) == only.usage.prompt_tokens, f"one entry per prompt token: {len(echoed.tokens)}")
+check(echoed.token_logprobs[0] is None and echoed.top_logprobs[0] is None, "nothing scores the first token")
+check(all(lp <= 0 for lp in echoed.token_logprobs[1:]), f"logprobs: {echoed.token_logprobs}")
+check(all(1 <= len(top) <= 3 for top in echoed.top_logprobs[1:]), f"the token and 2 alternatives: {echoed.top_logprobs}")
+check("".join(echoed.tokens) == prompt and echoed.text_offset[0] == 0, f"tokens {echoed.tokens}")
+both = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2, **greedy).choices[0]
+check(both.text == prompt + plain.text, f"echo then the completion: {both.text!r}")
+check(both.token_ids == plain.token_ids, "token_ids stay the generated ones")
+check(len(both.logprobs.tokens) == len(echoed.tokens) + max_tokens, "prompt entries, then the output's")
+check(
+    all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(both.logprobs.token_logprobs[1 : len(echoed.tokens)], echoed.token_logprobs[1:])),
+    "the prompt scored alike either way",
+)
+vllm = client.completions.create(model=model, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 1}).choices[0]
+listed = vllm.model_extra["prompt_logprobs"]
+check(listed[0] is None and len(listed) == len(echoed.tokens), f"prompt_logprobs: {listed[:2]}")
+prompt_ids = [int(next(iter(entry))) for entry in listed[1:]]
+for i, (entry, token) in enumerate(zip(listed[1:], prompt_ids)):
+    own = entry[str(token)]
+    check(math.isclose(own["logprob"], echoed.token_logprobs[i + 1], abs_tol=1e-4), f"entry {i}: {own}")
+    check(own["rank"] >= 1 and own["decoded_token"] == echoed.tokens[i + 1], f"entry {i}: {own}")
+    check(any(e["rank"] == 1 for e in entry.values()), f"entry {i} lists the likeliest token: {entry}")
+chat = client.chat.completions.create(model=model, messages=expected["chat"], max_tokens=1, extra_body={"prompt_logprobs": 0})
+check(chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens, "chat's")
+streamed = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, echo=True, stream=True, **greedy))
+check(streamed == prompt + plain.text, f"a streamed echo: {streamed!r}")
+for endpoint, body, param in [
+    (client.completions, {"prompt": prompt, "stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    (client.chat.completions, {"messages": expected["chat"], "extra_body": {"echo": True}}, "echo"),
+    (client.completions, {"prompt": prompt, "extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+    (client.completions, {"prompt": prompt, "max_tokens": 0}, "max_tokens"),
+]:
+    try:
+        endpoint.create(model=model, **body)
+        check(False, f"{param} in {body} is refused")
+    except openai.BadRequestError as error:
+        check(error.body["param"] == param, f"{body}: {error.body}")
+print("echo and prompt_logprobs: the prompt repeated and scored, alike on every path")
+
 # --- errors in OpenAI's shape
 try:
     client.completions.create(model=model, prompt=prompt, temperature=-1)

@@ -34,6 +34,7 @@ pub mod memory;
 pub mod model;
 pub mod page_buffer;
 pub mod paged_attention;
+pub mod prompt_logprobs;
 pub mod rope;
 pub mod sampler;
 pub mod service;

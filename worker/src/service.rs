@@ -22,6 +22,7 @@ use crate::kernel_sampling::{sample_rows, LogitBiasRow, RowRequest};
 use crate::kv_cache::{HostKvCache, KvCache};
 use crate::memory::KvBudget;
 use crate::model::{ForwardInputs, LlamaModel};
+use crate::prompt_logprobs;
 use crate::sampler::sample;
 use crate::step::{self, HostStep, StepLimits};
 use crate::step_view::StepView;
@@ -282,13 +283,7 @@ impl Worker {
         };
         let host = step::validate(buffer, &header, limits)?;
         let mut view = StepView::wrap(buffer, &header, host.history_len)?;
-        // A step of prompt chunks that all end mid-prompt fills the cache and samples nothing;
-        // the head still needs one row.
-        let logit_rows = if host.logit_rows.is_empty() {
-            vec![0]
-        } else {
-            host.logit_rows.clone()
-        };
+        let head_rows = host.head_rows();
         let layout = buffer.layout();
         let (tokens, seqs) = (header.num_tokens as usize, header.num_seqs as usize);
         let max_blocks = layout.capacity.max_blocks_per_seq as usize;
@@ -299,16 +294,22 @@ impl Worker {
             seqs: &host.seqs,
             block_tables: &buffer.array(layout.block_tables)[..seqs * max_blocks],
             max_blocks,
-            logit_rows: &logit_rows,
+            logit_rows: &head_rows,
         };
+        let sampled_rows = host.logit_rows.len();
         let (logits, device) = match &mut self.engine {
             Engine::Kernels { model, kv_cache } => {
                 let logits = model.forward(&inputs, kv_cache)?;
+                let vocab = model.config.vocab_size;
+                if !host.prompt_rows.is_empty() {
+                    let prompt_logits = &logits[sampled_rows * vocab..];
+                    let scored = model.in_pool(|| prompt_logprobs::score_rows(prompt_logits, vocab, &host.prompt_rows));
+                    prompt_logprobs::write_outputs(&mut view, &host.prompt_rows, &scored)?;
+                }
                 if host.sampled_seqs.is_empty() {
                     return Ok(());
                 }
                 // Every row straight from the logits ([`crate::kernel_sampling`]).
-                let vocab = model.config.vocab_size;
                 let requests = step::row_requests(buffer, &host);
                 let top = requests
                     .iter()
@@ -329,16 +330,27 @@ impl Worker {
                     .and_then(|graphs| graphs.forward(model, kv_cache, &inputs));
                 let logits = match through_graph {
                     Some(logits) => logits,
-                    None => eager_torch_step(model, kv_cache, &view, &host, &logit_rows)?,
+                    None => eager_torch_step(model, kv_cache, &view, &host, &head_rows)?,
                 };
                 (logits, model.device)
             }
         };
+        if !host.prompt_rows.is_empty() {
+            let prompt_logits = logits
+                .f_narrow(0, sampled_rows as i64, host.prompt_rows.len() as i64)?
+                .f_to_device(Device::Cpu)?
+                .f_to_kind(Kind::Float)?
+                .f_contiguous()?;
+            let vocab = prompt_logits.size()[1] as usize;
+            let prompt_logits = Vec::<f32>::try_from(prompt_logits.f_view(-1)?)?;
+            let scored = prompt_logprobs::score_rows(&prompt_logits, vocab, &host.prompt_rows);
+            prompt_logprobs::write_outputs(&mut view, &host.prompt_rows, &scored)?;
+        }
         if host.sampled_seqs.is_empty() {
             return Ok(());
         }
         let batch = step::sampling_batch(buffer, &view, &host, device)?;
-        let sampled = sample(&logits, &batch);
+        let sampled = sample(&logits.f_narrow(0, 0, sampled_rows as i64)?, &batch);
         step::write_outputs(&mut view, &host, &sampled)
     }
 }

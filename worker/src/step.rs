@@ -9,6 +9,7 @@ use tch::{Device, Kind, Tensor};
 use crate::attention::SeqSlice;
 use crate::error::WorkerError;
 use crate::kernel_sampling::{LogitBiasRow, RowRequest};
+use crate::prompt_logprobs::PromptRow;
 use crate::sampler::{LogitBias, PenaltyHistory, Sampled, SamplingBatch};
 use crate::step_view::StepView;
 
@@ -31,6 +32,27 @@ pub struct HostStep {
     pub sampled_seqs: Vec<i64>,
     /// Tokens in the step's penalty histories.
     pub history_len: usize,
+    /// Tokens whose follower in the prompt is scored (prompt logprobs), in flat-batch order.
+    pub prompt_rows: Vec<PromptRow>,
+}
+
+impl HostStep {
+    /// The rows the output head computes: the sampled sequences' last tokens, then the prompt
+    /// rows; at least one, since a step of prompt chunks that all end mid-prompt and score
+    /// nothing still runs the head.
+    pub fn head_rows(&self) -> Vec<i64> {
+        let rows: Vec<i64> = self
+            .logit_rows
+            .iter()
+            .copied()
+            .chain(self.prompt_rows.iter().map(|row| row.flat_row))
+            .collect();
+        if rows.is_empty() {
+            vec![0]
+        } else {
+            rows
+        }
+    }
 }
 
 fn invalid<T>(what: String) -> Result<T, WorkerError> {
@@ -157,7 +179,37 @@ pub fn validate(buffer: &StepBuffer, header: &StepHeader, limits: StepLimits) ->
     for &seq in &host.sampled_seqs {
         check_sampling(seq, &sampling[seq as usize])?;
     }
+    host.prompt_rows = prompt_rows(buffer, query_start, limits.vocab_size)?;
     Ok(host)
+}
+
+/// The tokens of sequences that asked for prompt logprobs whose follower is given, checked.
+fn prompt_rows(buffer: &StepBuffer, query_start: &[i64], vocab_size: i64) -> Result<Vec<PromptRow>, WorkerError> {
+    let layout = buffer.layout();
+    let seqs = query_start.len() - 1;
+    let tops = &buffer.array(layout.prompt_logprob_top)[..seqs];
+    let targets = buffer.array(layout.prompt_logprob_targets);
+    let mut rows = Vec::new();
+    for (seq, &top) in tops.iter().enumerate() {
+        if top < 0 {
+            continue;
+        }
+        if top > MAX_TOP_LOGPROBS as i64 {
+            return invalid(format!("sequence {seq}: {top} prompt logprob alternatives"));
+        }
+        for flat_row in query_start[seq]..query_start[seq + 1] {
+            match targets[flat_row as usize] {
+                -1 => {}
+                target if (0..vocab_size).contains(&target) => rows.push(PromptRow {
+                    flat_row,
+                    target: target as usize,
+                    top: top as usize,
+                }),
+                bad => return invalid(format!("prompt_logprob_targets holds {bad}, outside 0..{vocab_size}")),
+            }
+        }
+    }
+    Ok(rows)
 }
 
 /// The ranges the scheduler's validation gives a sampled row's parameters (both samplers assume

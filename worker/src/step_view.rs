@@ -28,6 +28,12 @@ pub struct StepView<'a> {
     pub sampled_logprobs: Tensor,
     pub top_logprob_ids: Tensor,
     pub top_logprob_values: Tensor,
+    /// Outputs, `[num_tokens]`: f32 prompt logprobs and i64 ranks; `[num_tokens, MAX_TOP_LOGPROBS]`
+    /// alternatives.
+    pub prompt_logprobs: Tensor,
+    pub prompt_logprob_ranks: Tensor,
+    pub prompt_top_logprob_ids: Tensor,
+    pub prompt_top_logprob_values: Tensor,
     _buffer: PhantomData<&'a StepBuffer>,
 }
 
@@ -50,6 +56,10 @@ impl<'a> StepView<'a> {
             sampled_logprobs: wrap(base, layout.sampled_logprobs, &[seqs])?,
             top_logprob_ids: wrap(base, layout.top_logprob_ids, &[seqs, top])?,
             top_logprob_values: wrap(base, layout.top_logprob_values, &[seqs, top])?,
+            prompt_logprobs: wrap(base, layout.prompt_logprobs, &[tokens])?,
+            prompt_logprob_ranks: wrap(base, layout.prompt_logprob_ranks, &[tokens])?,
+            prompt_top_logprob_ids: wrap(base, layout.prompt_top_logprob_ids, &[tokens, top])?,
+            prompt_top_logprob_values: wrap(base, layout.prompt_top_logprob_values, &[tokens, top])?,
             _buffer: PhantomData,
         })
     }

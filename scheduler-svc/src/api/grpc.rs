@@ -14,7 +14,9 @@ use super::tracking::TrackedRequest;
 use super::validation::{chat_ending, Field, Prompt, RequestDraft, SamplingDraft, StoppingDraft, ValidationError};
 use super::{request_id, Frontend, SubmitError, REQUEST_ID_HEADER};
 use crate::chat_template::ChatMessage;
-use crate::request::{EngineError, ErrorKind, FinishReason, Priority, SequenceEvent, StopCause, TokenLogprob, Usage};
+use crate::request::{
+    EngineError, ErrorKind, FinishReason, Priority, PromptTokenLogprob, SequenceEvent, StopCause, TokenLogprob, Usage,
+};
 
 pub struct GenerationService {
     front: Frontend,
@@ -123,6 +125,7 @@ fn to_draft(id: String, request: proto::GenerateRequest) -> Result<RequestDraft,
             top_logprobs: sampling.top_logprobs,
             logit_bias: sampling.logit_bias.into_iter().collect(),
             allowed_token_ids: Some(sampling.allowed_token_ids).filter(|ids| !ids.is_empty()),
+            prompt_logprobs: sampling.prompt_logprobs,
         },
         stopping: StoppingDraft {
             max_new_tokens: stopping.max_new_tokens,
@@ -161,6 +164,12 @@ impl Generation for GenerationService {
                 .and_then(StopCause::stop_string)
                 .map(str::to_owned),
             stop_token_id: completed.stop.as_ref().and_then(StopCause::token_id),
+            prompt_logprobs: completed
+                .prompt_logprobs
+                .unwrap_or_default()
+                .into_iter()
+                .map(proto_prompt_logprob)
+                .collect(),
         };
         Ok(with_request_id(response, events.id()))
     }
@@ -180,6 +189,10 @@ impl Generation for GenerationService {
 /// One engine event as a stream message; only the last one carries the finish reason and usage.
 fn stream_message(event: SequenceEvent) -> Result<proto::GenerateStreamResponse, Status> {
     match event {
+        SequenceEvent::PromptLogprobs(scores) => Ok(proto::GenerateStreamResponse {
+            prompt_logprobs: scores.into_iter().map(proto_prompt_logprob).collect(),
+            ..Default::default()
+        }),
         SequenceEvent::Tokens {
             token_ids,
             text,
@@ -206,6 +219,7 @@ fn stream_message(event: SequenceEvent) -> Result<proto::GenerateStreamResponse,
             logprobs: logprobs.into_iter().map(proto_logprob).collect(),
             stop_string: stop.as_ref().and_then(StopCause::stop_string).map(str::to_owned),
             stop_token_id: stop.as_ref().and_then(StopCause::token_id),
+            ..Default::default()
         }),
         SequenceEvent::Failed(error) => Err(engine_status(error)),
     }
@@ -249,11 +263,22 @@ fn proto_logprob(logprob: TokenLogprob) -> proto::TokenLogprob {
     proto::TokenLogprob {
         token_id: logprob.token_id,
         logprob: logprob.logprob,
-        top: logprob
-            .top
-            .into_iter()
-            .map(|(token_id, logprob)| proto::TopLogprob { token_id, logprob })
-            .collect(),
+        top: proto_top(logprob.top),
+    }
+}
+
+fn proto_top(top: Vec<(u32, f32)>) -> Vec<proto::TopLogprob> {
+    top.into_iter()
+        .map(|(token_id, logprob)| proto::TopLogprob { token_id, logprob })
+        .collect()
+}
+
+fn proto_prompt_logprob(score: PromptTokenLogprob) -> proto::PromptTokenLogprob {
+    proto::PromptTokenLogprob {
+        token_id: score.token_id,
+        logprob: score.logprob,
+        rank: score.rank,
+        top: proto_top(score.top),
     }
 }
 

@@ -12,7 +12,9 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio_stream::{Stream, StreamExt};
 
 use crate::metrics::Metrics;
-use crate::request::{EngineError, ErrorKind, FinishReason, SequenceEvent, StopCause, TokenLogprob, Usage};
+use crate::request::{
+    EngineError, ErrorKind, FinishReason, PromptTokenLogprob, SequenceEvent, StopCause, TokenLogprob, Usage,
+};
 
 /// OpenAI's (and vLLM's metrics') word for a finish reason.
 pub fn openai_finish_reason(reason: FinishReason) -> &'static str {
@@ -35,6 +37,8 @@ pub struct Completed {
     /// The stop string or stop token id that ended it, if one did.
     pub stop: Option<StopCause>,
     pub usage: Usage,
+    /// The prompt's logprobs, when the request asked for them.
+    pub prompt_logprobs: Option<Vec<PromptTokenLogprob>>,
 }
 
 pub struct TrackedRequest {
@@ -98,8 +102,10 @@ impl TrackedRequest {
     /// event's finish reason and usage — what the stream carries, so unary and streaming agree.
     pub async fn whole_result(&mut self) -> Result<Completed, EngineError> {
         let (mut text, mut token_ids, mut logprobs) = (String::new(), Vec::new(), Vec::new());
+        let mut prompt_logprobs = None;
         while let Some(event) = self.next().await {
             match event {
+                SequenceEvent::PromptLogprobs(scores) => prompt_logprobs = Some(scores),
                 SequenceEvent::Tokens {
                     token_ids: ids,
                     text: delta,
@@ -128,6 +134,7 @@ impl TrackedRequest {
                         reason,
                         stop,
                         usage,
+                        prompt_logprobs,
                     });
                 }
                 SequenceEvent::Failed(error) => return Err(error),
@@ -139,7 +146,7 @@ impl TrackedRequest {
     fn observe(&mut self, event: &SequenceEvent) {
         let new_tokens = match event {
             SequenceEvent::Tokens { token_ids, .. } | SequenceEvent::Finished { token_ids, .. } => token_ids.len(),
-            SequenceEvent::Failed(_) => 0,
+            SequenceEvent::PromptLogprobs(_) | SequenceEvent::Failed(_) => 0,
         };
         if new_tokens > 0 {
             let now = Instant::now();
@@ -163,7 +170,7 @@ impl TrackedRequest {
         }
         self.generated += new_tokens;
         match event {
-            SequenceEvent::Tokens { .. } => {}
+            SequenceEvent::Tokens { .. } | SequenceEvent::PromptLogprobs(_) => {}
             SequenceEvent::Finished { reason, queue_time, .. } => {
                 let metrics = &self.metrics;
                 let total = self.submitted.elapsed();

@@ -77,6 +77,8 @@ pub struct SamplingDraft {
     /// object with a repeated key).
     pub logit_bias: Vec<(u32, f32)>,
     pub allowed_token_ids: Option<Vec<u32>>,
+    /// Alternatives per prompt token for vLLM's prompt logprobs; `None`: no prompt logprobs.
+    pub prompt_logprobs: Option<u32>,
 }
 
 /// Stopping criteria as given; `None` takes the server's default.
@@ -122,6 +124,7 @@ pub enum Field {
     FrequencyPenalty,
     PresencePenalty,
     TopLogprobs,
+    PromptLogprobs,
     LogitBias,
     AllowedTokenIds,
     MaxNewTokens,
@@ -151,6 +154,7 @@ impl Field {
             Field::FrequencyPenalty => "sampling.frequency_penalty",
             Field::PresencePenalty => "sampling.presence_penalty",
             Field::TopLogprobs => "sampling.top_logprobs",
+            Field::PromptLogprobs => "sampling.prompt_logprobs",
             Field::LogitBias => "sampling.logit_bias",
             Field::AllowedTokenIds => "sampling.allowed_token_ids",
             Field::MaxNewTokens => "stopping.max_new_tokens",
@@ -459,11 +463,16 @@ pub fn sampling_params(sampling: SamplingDraft, vocab: u32) -> Result<SamplingPa
     let repetition = sampling.repetition_penalty.unwrap_or(defaults.repetition_penalty);
     let frequency = sampling.frequency_penalty.unwrap_or(defaults.frequency_penalty);
     let presence = sampling.presence_penalty.unwrap_or(defaults.presence_penalty);
-    if sampling.top_logprobs as usize > MAX_TOP_LOGPROBS {
-        return Err(ValidationError::invalid(
-            Field::TopLogprobs,
-            format!("{} is more than the {MAX_TOP_LOGPROBS} allowed", sampling.top_logprobs),
-        ));
+    for (field, alternatives) in [
+        (Field::TopLogprobs, Some(sampling.top_logprobs)),
+        (Field::PromptLogprobs, sampling.prompt_logprobs),
+    ] {
+        if let Some(alternatives) = alternatives.filter(|&a| a as usize > MAX_TOP_LOGPROBS) {
+            return Err(ValidationError::invalid(
+                field,
+                format!("{alternatives} is more than the {MAX_TOP_LOGPROBS} allowed"),
+            ));
+        }
     }
     let penalty = |field, value: f32| check(field, value, (-2.0..=2.0).contains(&value), "[-2, 2]");
     let (logit_bias, allowed_only) = logit_bias(sampling.logit_bias, sampling.allowed_token_ids, vocab)?;
@@ -490,6 +499,7 @@ pub fn sampling_params(sampling: SamplingDraft, vocab: u32) -> Result<SamplingPa
         top_logprobs: sampling.top_logprobs,
         logit_bias,
         allowed_only,
+        prompt_logprobs: sampling.prompt_logprobs,
     })
 }
 

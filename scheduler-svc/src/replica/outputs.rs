@@ -9,7 +9,7 @@ use rivulet_ipc::StepBuffer;
 use super::outbox::Outbox;
 use crate::block_manager::BlockManager;
 use crate::completion::{self, Outcome};
-use crate::request::{FinishReason, SamplingParams, SequenceEvent, StopCause, TokenLogprob, Usage};
+use crate::request::{FinishReason, PromptTokenLogprob, SamplingParams, SequenceEvent, StopCause, TokenLogprob, Usage};
 use crate::scheduler::StepPlan;
 use crate::sequence::Sequence;
 use crate::tokenizer::ModelTokenizer;
@@ -39,8 +39,13 @@ pub fn apply_outputs(
     };
     let mut ended: Vec<Ending> = Vec::new();
     let mut generated = 0;
+    let mut first_row = 0;
     for (slot, scheduled) in plan.seqs.iter().enumerate() {
         let seq = &mut running[scheduled.running_index];
+        if seq.scores_prompt() {
+            read_prompt_logprobs(buffer, first_row, scheduled.num_tokens, seq);
+        }
+        first_row += scheduled.num_tokens;
         seq.num_computed += scheduled.num_tokens;
         blocks.register_full_blocks(&seq.tokens, seq.num_computed, &seq.blocks, &mut seq.block_hashes);
         if !scheduled.sample {
@@ -50,6 +55,10 @@ pub fn apply_outputs(
         seq.tokens.push(token);
         generated += 1;
         let logprobs = read_logprobs(buffer, slot, token, &seq.request.sampling);
+        if seq.request.sampling.prompt_logprobs.is_some() && seq.num_generated() == 1 {
+            let prompt_logprobs = std::mem::take(&mut seq.prompt_logprobs);
+            outbox.push(seq.events.clone(), SequenceEvent::PromptLogprobs(prompt_logprobs));
+        }
         match completion::after_token(seq, sampled_logprobs[slot], &limits, context.tokenizer) {
             Outcome::Continue(text) => outbox.push(
                 seq.events.clone(),
@@ -124,6 +133,41 @@ fn finish(mut seq: Sequence, end: Ending, blocks: &mut BlockManager, outbox: &mu
         queue_time: seq.queue_time.unwrap_or_default(),
     };
     outbox.push(seq.events, finished);
+}
+
+/// The scores of `seq`'s prompt tokens that follow its `num_tokens` tokens of this step (whose
+/// rows start at `first_row`), each kept at its prompt position: a prompt computed again (after
+/// a preemption) overwrites what it scored before rather than adding to it.
+fn read_prompt_logprobs(buffer: &StepBuffer, first_row: usize, num_tokens: usize, seq: &mut Sequence) {
+    let layout = buffer.layout();
+    let alternatives = seq.request.sampling.prompt_logprobs.unwrap_or(0) as usize;
+    let (logprobs, ranks) = (
+        buffer.array(layout.prompt_logprobs),
+        buffer.array(layout.prompt_logprob_ranks),
+    );
+    let (top_ids, top_values) = (
+        buffer.array(layout.prompt_top_logprob_ids),
+        buffer.array(layout.prompt_top_logprob_values),
+    );
+    for j in 0..num_tokens {
+        let (row, position) = (first_row + j, seq.num_computed + j);
+        let Some(&token_id) = seq.request.prompt_ids.get(position + 1) else {
+            break;
+        };
+        let top = row * MAX_TOP_LOGPROBS..row * MAX_TOP_LOGPROBS + alternatives;
+        seq.prompt_logprobs.truncate(position);
+        debug_assert_eq!(seq.prompt_logprobs.len(), position, "prompt chunks come in order");
+        seq.prompt_logprobs.push(PromptTokenLogprob {
+            token_id,
+            logprob: logprobs[row],
+            rank: ranks[row].clamp(0, i64::from(u32::MAX)) as u32,
+            top: top_ids[top.clone()]
+                .iter()
+                .zip(&top_values[top])
+                .map(|(&id, &logprob)| (id as u32, logprob))
+                .collect(),
+        });
+    }
 }
 
 /// The logprobs of the token sampled in `slot`, when the request asked for them.

@@ -23,11 +23,12 @@ use super::openai::{
     AssistantMessage, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, Choice, CompletionLogprobs, GenerationBody,
     PromptTokensDetails, ResponseBody, UsageBody,
 };
+use super::prompt_echo::{push_echoed_logprobs, vllm_prompt_logprobs, PromptEcho};
 use super::translate::{output_limit, to_drafts, Endpoint};
 use super::{unix_seconds, HttpState, RequestId};
 use crate::api::tracking::{openai_finish_reason, TrackedRequest};
-use crate::api::validation::{Field, RequestDraft};
-use crate::request::{FinishReason, SequenceEvent, StopCause, TokenLogprob, Usage};
+use crate::api::validation::{Field, Prompt, RequestDraft};
+use crate::request::{FinishReason, PromptTokenLogprob, SequenceEvent, StopCause, TokenLogprob, Usage};
 use crate::token_piece::{CharOffsets, TokenPiece};
 use crate::tokenizer::ModelTokenizer;
 
@@ -80,11 +81,24 @@ async fn generate(
     let return_token_ids = body.return_token_ids.unwrap_or(false);
     let per_prompt = body.n.unwrap_or(1).max(1) as usize;
     let (_, limit_param) = output_limit(endpoint, &body);
+    let echo = match PromptEcho::from_body(endpoint, &body) {
+        Ok(echo) => echo,
+        Err(error) => return error.into_response(),
+    };
     let drafts = match to_drafts(endpoint, id.clone(), body) {
         Ok(drafts) => drafts,
         Err(error) => return error.into_response(),
     };
     let wants_logprobs = drafts.first().is_some_and(|draft| draft.sampling.logprobs);
+    let top_logprobs = drafts.first().map_or(0, |draft| draft.sampling.top_logprobs);
+    // The prompts' texts as given, for `echo` (token-id prompts are decoded instead).
+    let prompt_texts: Vec<Option<String>> = drafts
+        .iter()
+        .map(|draft| match &draft.prompt {
+            Prompt::Text(text) if echo.echo => Some(text.clone()),
+            _ => None,
+        })
+        .collect();
     let requests = match submit_choices(&state, endpoint, limit_param, drafts, per_prompt).await {
         Ok(requests) => requests,
         Err(error) => return error.into_response(),
@@ -102,18 +116,27 @@ async fn generate(
             .then(|| requests.first().map(|request| request.prompt_ids().to_vec()))
             .flatten(),
     };
+    let tokenizer = &state.front.validator.tokenizer;
     let builders = requests
         .iter()
+        .zip(prompt_texts)
         .enumerate()
-        .map(|(index, request)| ChoiceBuilder {
+        .map(|(index, (request, prompt_text))| ChoiceBuilder {
             index: index as u32,
             endpoint,
-            tokenizer: state.front.validator.tokenizer.clone(),
+            tokenizer: tokenizer.clone(),
             return_token_ids,
             prompt_token_ids: (return_token_ids && endpoint == Endpoint::Completions)
                 .then(|| request.prompt_ids().to_vec()),
             wants_logprobs,
+            top_logprobs,
             offsets: CharOffsets::default(),
+            echo,
+            echoed: echo.echo.then(|| EchoedPrompt {
+                text: prompt_text.unwrap_or_else(|| tokenizer.decode(request.prompt_ids()).unwrap_or_default()),
+                ids: request.prompt_ids().to_vec(),
+            }),
+            prompt_scores: None,
         })
         .collect();
     let usage = UsageTotals::new(per_prompt);
@@ -207,6 +230,7 @@ impl ResponseShape {
             model: self.model.clone(),
             choices,
             prompt_token_ids: None,
+            prompt_logprobs: None,
             usage,
         }
     }
@@ -249,10 +273,15 @@ async fn whole_response(
     )
     .await;
     let mut choices = Vec::with_capacity(results.len());
+    let mut chat_prompt_logprobs = None;
     for (index, (result, builder)) in results.into_iter().zip(&mut builders).enumerate() {
         match result {
             Ok(done) => {
-                usage.add(index, done.usage);
+                usage.add(index, builder.usage(done.usage));
+                builder.prompt_scores = done.prompt_logprobs;
+                if index == 0 && response.endpoint == Endpoint::Chat {
+                    chat_prompt_logprobs = builder.vllm_prompt_logprobs();
+                }
                 choices.push(builder.choice(
                     done.text,
                     done.token_ids,
@@ -267,6 +296,7 @@ async fn whole_response(
     let object = response.endpoint.object(false);
     let mut body = response.body(object, choices, Some(Some(usage_body(usage.total))));
     body.prompt_token_ids = response.chat_prompt_token_ids.clone();
+    body.prompt_logprobs = chat_prompt_logprobs;
     Json(body).into_response()
 }
 
@@ -317,12 +347,13 @@ fn stream_response(
             let builder = &mut builders[index];
             let mut out = Vec::new();
             match event {
+                SequenceEvent::PromptLogprobs(scores) => builder.prompt_scores = Some(scores),
                 SequenceEvent::Tokens {
                     token_ids,
                     text,
                     logprobs,
                 } => {
-                    if !text.is_empty() || !token_ids.is_empty() {
+                    if !text.is_empty() || !token_ids.is_empty() || builder.echoed.is_some() {
                         let choice = builder.choice(text, token_ids, &logprobs, None, true);
                         out.push(json_event(&response.body(object, vec![choice], chunk_usage())));
                     }
@@ -338,7 +369,7 @@ fn stream_response(
                 } => {
                     let choice = builder.choice(text, token_ids, &logprobs, Some((reason, stop)), true);
                     out.push(json_event(&response.body(object, vec![choice], chunk_usage())));
-                    usage.add(index, choice_usage);
+                    usage.add(index, builder.usage(choice_usage));
                     unfinished -= 1;
                     if include_usage && unfinished == 0 {
                         out.push(json_event(&response.body(
@@ -375,6 +406,7 @@ fn empty_choice() -> Choice {
         stop_reason: None,
         token_ids: None,
         prompt_token_ids: None,
+        prompt_logprobs: None,
     }
 }
 
@@ -399,19 +431,62 @@ struct ChoiceBuilder {
     /// (or its whole response) takes them.
     prompt_token_ids: Option<Vec<u32>>,
     wants_logprobs: bool,
+    /// Alternatives per token asked for (completions' `logprobs` count).
+    top_logprobs: u32,
     /// Characters of the choice's text before each listed token (completions' `text_offset`).
     offsets: CharOffsets,
+    echo: PromptEcho,
+    /// With `echo`, the prompt until the choice's first chunk (or its whole response) takes it.
+    echoed: Option<EchoedPrompt>,
+    /// The prompt's logprobs, once the engine sent them.
+    prompt_scores: Option<Vec<PromptTokenLogprob>>,
+}
+
+/// The prompt an `echo` repeats: its text as given (token ids decoded) and its tokens.
+struct EchoedPrompt {
+    text: String,
+    ids: Vec<u32>,
 }
 
 impl ChoiceBuilder {
+    /// The choice's usage as reported: an echo of the prompt alone generated nothing the client
+    /// sees.
+    fn usage(&self, usage: Usage) -> Usage {
+        Usage {
+            completion_tokens: if self.echo.echo_only {
+                0
+            } else {
+                usage.completion_tokens
+            },
+            ..usage
+        }
+    }
+
+    /// vLLM's `prompt_logprobs`, when asked for and sent.
+    fn vllm_prompt_logprobs(&self) -> Option<serde_json::Value> {
+        let alternatives = self.echo.prompt_logprobs?;
+        let scores = self.prompt_scores.as_deref()?;
+        Some(vllm_prompt_logprobs(&self.tokenizer, scores, alternatives))
+    }
+
     fn choice(
         &mut self,
-        text: String,
-        token_ids: Vec<u32>,
-        logprobs: &[TokenLogprob],
-        finish: Option<(FinishReason, Option<StopCause>)>,
+        mut text: String,
+        mut token_ids: Vec<u32>,
+        mut logprobs: &[TokenLogprob],
+        mut finish: Option<(FinishReason, Option<StopCause>)>,
         delta: bool,
     ) -> Choice {
+        if self.echo.echo_only {
+            // The one token generated for the echo is not the client's: max_tokens was 0.
+            (text, logprobs) = (String::new(), &[]);
+            token_ids.clear();
+            finish = finish.map(|_| (FinishReason::MaxTokens, None));
+        }
+        let echoed = self.echoed.take();
+        if let Some(prompt) = &echoed {
+            text.insert_str(0, &prompt.text);
+        }
         let finish_reason = finish.as_ref().map(|(reason, _)| openai_finish_reason(*reason));
         // vLLM's `stop_reason`: the stop string or stop token id that ended the output; and, as
         // OpenAI's `finish_reason` has no word for the confidence stop ("stop"), "low_confidence".
@@ -421,7 +496,9 @@ impl ChoiceBuilder {
             Some((_, Some(StopCause::TokenId(token)))) => Some(serde_json::json!(token)),
             _ => None,
         };
-        let logprobs = self.wants_logprobs.then(|| self.logprobs(logprobs));
+        let logprobs = self
+            .wants_logprobs
+            .then(|| self.logprobs(echoed.as_ref().map(|prompt| &prompt.ids[..]), logprobs));
         let token_ids = self.return_token_ids.then_some(token_ids);
         match self.endpoint {
             Endpoint::Completions => Choice {
@@ -432,6 +509,7 @@ impl ChoiceBuilder {
                 stop_reason,
                 token_ids,
                 prompt_token_ids: self.prompt_token_ids.take(),
+                prompt_logprobs: self.vllm_prompt_logprobs().filter(|_| !delta),
                 ..empty_choice()
             },
             Endpoint::Chat => {
@@ -462,10 +540,22 @@ impl ChoiceBuilder {
         TokenPiece::of(&self.tokenizer, id)
     }
 
-    fn logprobs(&mut self, logprobs: &[TokenLogprob]) -> serde_json::Value {
+    /// The logprobs of `logprobs`' tokens, after an echoed prompt's (`echoed`: its ids).
+    fn logprobs(&mut self, echoed: Option<&[u32]>, logprobs: &[TokenLogprob]) -> serde_json::Value {
         let value = match self.endpoint {
             Endpoint::Completions => {
                 let mut out = CompletionLogprobs::default();
+                if let Some(prompt_ids) = echoed {
+                    let scores = self.prompt_scores.as_deref().unwrap_or_default();
+                    push_echoed_logprobs(
+                        &self.tokenizer,
+                        prompt_ids,
+                        scores,
+                        self.top_logprobs,
+                        &mut self.offsets,
+                        &mut out,
+                    );
+                }
                 for lp in logprobs {
                     let piece = self.piece(lp.token_id);
                     // The chosen token, then the `logprobs` likeliest: up to logprobs + 1 entries,
@@ -477,8 +567,8 @@ impl ChoiceBuilder {
                     out.text_offset.push(self.offsets.offset());
                     self.offsets.push(&piece.text_bytes);
                     out.tokens.push(piece.text);
-                    out.token_logprobs.push(lp.logprob);
-                    out.top_logprobs.push(top);
+                    out.token_logprobs.push(Some(lp.logprob));
+                    out.top_logprobs.push(Some(top));
                 }
                 serde_json::to_value(out)
             }

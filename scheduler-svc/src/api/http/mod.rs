@@ -8,6 +8,7 @@
 pub mod errors;
 pub mod generate;
 pub mod openai;
+pub mod prompt_echo;
 pub mod translate;
 
 use axum::extract::{Request, State};

@@ -129,6 +129,8 @@ pub struct GenerationBody {
     pub allowed_token_ids: Option<Vec<u32>>,
     /// Also return the generated token ids (`choices[].token_ids`).
     pub return_token_ids: Option<bool>,
+    /// Each prompt token's log-probability (after the first), with this many alternatives.
+    pub prompt_logprobs: Option<u32>,
     /// Chat only (vLLM's): open the assistant's turn after the messages (default true).
     pub add_generation_prompt: Option<bool>,
     /// Chat only (vLLM's): leave the last message open for the model to continue.
@@ -137,10 +139,12 @@ pub struct GenerationBody {
     pub confidence_threshold: Option<f32>,
     /// Rivulet's scheduling class, or vLLM's integer (lower is served earlier).
     pub priority: Option<PriorityInput>,
+    /// Completions only: the prompt repeated before each choice's text (and its tokens before
+    /// the choice's in `logprobs`).
+    pub echo: Option<bool>,
     // OpenAI parameters Rivulet refuses unless they ask for the default.
     pub n: Option<u32>,
     pub best_of: Option<u32>,
-    pub echo: Option<bool>,
     pub suffix: Option<String>,
     pub tools: Option<serde_json::Value>,
     pub tool_choice: Option<serde_json::Value>,
@@ -163,13 +167,23 @@ pub struct PromptTokensDetails {
     pub cached_tokens: u32,
 }
 
-/// `/v1/completions` logprobs: parallel lists, one entry per token.
+/// `/v1/completions` logprobs: parallel lists, one entry per token; `null` for an echoed prompt's
+/// first token, which nothing precedes.
 #[derive(Debug, Default, Serialize)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<serde_json::Map<String, serde_json::Value>>,
+    pub token_logprobs: Vec<Option<f32>>,
+    pub top_logprobs: Vec<Option<serde_json::Map<String, serde_json::Value>>>,
     pub text_offset: Vec<usize>,
+}
+
+/// One entry of vLLM's `prompt_logprobs` (keyed by token id): a prompt token's and each
+/// alternative's log-probability, rank and text.
+#[derive(Debug, Serialize)]
+pub struct PromptLogprobEntry {
+    pub logprob: f32,
+    pub rank: u32,
+    pub decoded_token: String,
 }
 
 /// `/v1/chat/completions` logprobs: one object per token.
@@ -222,6 +236,10 @@ pub struct Choice {
     /// first chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<u32>>,
+    /// Completions' (vLLM's `prompt_logprobs`): `null` for the first prompt token, then an
+    /// object per token from token ids to [`PromptLogprobEntry`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<serde_json::Value>,
 }
 
 /// A whole response or one streamed chunk.
@@ -236,6 +254,9 @@ pub struct ResponseBody {
     /// chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_token_ids: Option<Vec<u32>>,
+    /// Chat's (vLLM's `prompt_logprobs`), shaped as a completions choice's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<serde_json::Value>,
     /// Left out where the response has no usage; `null` in every chunk but the last of a stream
     /// asked for its usage (`stream_options.include_usage`), as OpenAI sends them.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -3,6 +3,7 @@
 
 use super::errors::ApiError;
 use super::openai::{GenerationBody, LogprobsInput, MessageContent, PriorityInput, PromptInput};
+use super::prompt_echo::PromptEcho;
 use crate::api::validation::{chat_ending, Field, Prompt, RequestDraft, SamplingDraft, StoppingDraft};
 use crate::chat_template::ChatMessage;
 use crate::request::Priority;
@@ -38,6 +39,7 @@ impl Endpoint {
             Field::PresencePenalty => "presence_penalty",
             Field::TopLogprobs if self == Endpoint::Completions => "logprobs",
             Field::TopLogprobs => "top_logprobs",
+            Field::PromptLogprobs => "prompt_logprobs",
             Field::LogitBias => "logit_bias",
             Field::AllowedTokenIds => "allowed_token_ids",
             Field::MaxNewTokens => "max_tokens",
@@ -66,9 +68,6 @@ fn refuse_unsupported(body: &GenerationBody) -> Result<(), ApiError> {
     // asks for nothing more.
     if body.best_of.is_some_and(|best_of| best_of != body.n.unwrap_or(1)) {
         return Err(unsupported("best_of", "best_of other than n (ranking candidates)"));
-    }
-    if body.echo == Some(true) {
-        return Err(unsupported("echo", "echoing the prompt"));
     }
     if body.suffix.is_some() {
         return Err(unsupported("suffix", "a suffix (insertion)"));
@@ -262,7 +261,12 @@ fn logit_bias(bias: Option<serde_json::Map<String, serde_json::Value>>) -> Resul
 /// The draft of the first prompt, and every prompt of the request.
 fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<(RequestDraft, Vec<Prompt>), ApiError> {
     refuse_unsupported(&body)?;
-    let (max_new_tokens, _) = output_limit(endpoint, &body);
+    let echo = PromptEcho::from_body(endpoint, &body)?;
+    // The prompt alone: one token generated and left out of the response, as vLLM does.
+    let max_new_tokens = match output_limit(endpoint, &body) {
+        _ if echo.echo_only => Some(1),
+        (limit, _) => limit,
+    };
     let prompts = match endpoint {
         Endpoint::Completions => {
             if body.messages.is_some() {
@@ -345,6 +349,7 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
             top_logprobs,
             logit_bias: logit_bias(body.logit_bias)?,
             allowed_token_ids: body.allowed_token_ids,
+            prompt_logprobs: echo.engine_prompt_logprobs(),
         },
         stopping: StoppingDraft {
             max_new_tokens,

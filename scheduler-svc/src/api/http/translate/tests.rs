@@ -277,3 +277,43 @@ fn logit_bias_keys_are_token_ids_and_its_values_numbers() {
     .expect("allowed");
     assert_eq!(allowed.sampling.allowed_token_ids, Some(vec![3, 1]));
 }
+
+#[test]
+fn echo_and_prompt_logprobs_ask_the_engine_for_the_prompts_scores() {
+    let draft = |json| to_draft(Endpoint::Completions, "id".to_owned(), body(json)).expect("draft");
+    // echo alone needs no scores; with logprobs, as many alternatives as they list.
+    let echo = draft(serde_json::json!({"prompt": "x", "echo": true}));
+    assert_eq!(echo.sampling.prompt_logprobs, None);
+    let echo = draft(serde_json::json!({"prompt": "x", "echo": true, "logprobs": 3}));
+    assert_eq!(echo.sampling.prompt_logprobs, Some(3));
+    // The larger of the two wants; max_tokens 0 with echo is the prompt alone (one token made).
+    let both = draft(serde_json::json!({
+        "prompt": "x", "echo": true, "logprobs": 1, "prompt_logprobs": 4, "max_tokens": 0
+    }));
+    assert_eq!(both.sampling.prompt_logprobs, Some(4));
+    assert_eq!(both.stopping.max_new_tokens, Some(1));
+    let chat = to_draft(
+        Endpoint::Chat,
+        "id".to_owned(),
+        body(serde_json::json!({"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0})),
+    )
+    .expect("chat");
+    assert_eq!(chat.sampling.prompt_logprobs, Some(0));
+
+    let p = |s: &str| Some(s.to_owned());
+    let user = serde_json::json!([{"role": "user", "content": "x"}]);
+    assert_eq!(
+        refused(Endpoint::Chat, serde_json::json!({"messages": user, "echo": true})),
+        p("echo")
+    );
+    assert_eq!(
+        refused(
+            Endpoint::Completions,
+            serde_json::json!({"prompt": "x", "stream": true, "prompt_logprobs": 1})
+        ),
+        p("prompt_logprobs")
+    );
+    // Without echo, max_tokens 0 is left to validation, which refuses it.
+    let zero = draft(serde_json::json!({"prompt": "x", "max_tokens": 0}));
+    assert_eq!(zero.stopping.max_new_tokens, Some(0));
+}
