@@ -1,6 +1,7 @@
 //! `worker.half_precision_gemv` (f16 weight copies for one-token steps) checked against the f32
 //! weights on the real model: the same greedy tokens except where f32 itself saw a near-tie, and
-//! the chosen tokens' log-probabilities within f16's rounding.
+//! the chosen tokens' log-probabilities within f16's rounding; and, since that flag runs the
+//! libtorch engine, its prompt logprobs (prefill rows, f32) against the CPU kernels'.
 
 mod common;
 
@@ -33,7 +34,7 @@ async fn generate_with_logprobs(server: &TestServer, prompt: &str) -> GenerateRe
 }
 
 #[tokio::test]
-async fn half_precision_gemv_matches_f32_up_to_near_ties() {
+async fn half_precision_gemv_matches_f32_up_to_near_ties_and_its_engine_scores_prompts_alike() {
     let f32_server = common::shared_server();
     let half_server = TestServer::start(&[("RIVULET_WORKER__HALF_PRECISION_GEMV", "true")]);
     let mut identical = 0;
@@ -71,4 +72,40 @@ async fn half_precision_gemv_matches_f32_up_to_near_ties() {
         "only {identical} of {} prompts identical",
         PROMPTS.len()
     );
+    // The same server, to start one libtorch worker for both checks.
+    assert_prompt_logprobs_agree(f32_server, &half_server).await;
+}
+
+/// The libtorch engine scores a prompt (its multi-token steps stay f32) as the CPU kernels do.
+async fn assert_prompt_logprobs_agree(kernels: &TestServer, libtorch: &TestServer) {
+    let mut request = greedy_request(PROMPTS[4], 2);
+    if let Some(sampling) = request.sampling.as_mut() {
+        sampling.prompt_logprobs = Some(2);
+    }
+    let mut scored = Vec::new();
+    for server in [kernels, libtorch] {
+        let response = server.client().await.generate(request.clone()).await.expect("generate");
+        scored.push(response.into_inner().prompt_logprobs);
+    }
+    let (ours, theirs) = (&scored[0], &scored[1]);
+    assert!(
+        ours.len() > 5 && ours.len() == theirs.len(),
+        "{} vs {} scores",
+        ours.len(),
+        theirs.len()
+    );
+    for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
+        assert_eq!(a.token_id, b.token_id, "entry {i}");
+        assert!(
+            (a.logprob - b.logprob).abs() < 1e-3,
+            "entry {i}: {} vs {}",
+            a.logprob,
+            b.logprob
+        );
+        assert_eq!(b.top.len(), 2, "entry {i}");
+        assert!(
+            (a.top[0].logprob - b.top[0].logprob).abs() < 1e-3,
+            "entry {i}'s likeliest"
+        );
+    }
 }
