@@ -27,6 +27,37 @@ use crate::block_manager::{Admission, BlockManager, PrefixMatch};
 use crate::queue::WaitingQueue;
 use crate::sequence::{Sequence, SequenceId};
 
+/// Prompt tokens one step scores at most (prompt logprobs): each is a vocabulary-wide row of
+/// logits on the worker (49 152 f32s, 192 KiB, for SmolLM2), so however large the step's token
+/// budget (8192 on a GPU), a step's rows take ~50 MB, not gigabytes. A scored prompt is
+/// prefilled in chunks of at most this many tokens.
+pub const MAX_SCORED_TOKENS_PER_STEP: usize = 256;
+
+/// What is left of a step's tokens as it is planned: all of them, and those that may be scored.
+#[derive(Debug, Clone, Copy)]
+struct StepBudget {
+    tokens: usize,
+    scored: usize,
+}
+
+impl StepBudget {
+    /// The most tokens `seq` may have in this step.
+    fn for_seq(&self, seq: &Sequence) -> usize {
+        if seq.scores_prompt() {
+            self.tokens.min(self.scored)
+        } else {
+            self.tokens
+        }
+    }
+
+    fn take(&mut self, seq: &Sequence, num_tokens: usize) {
+        self.tokens -= num_tokens;
+        if seq.scores_prompt() {
+            self.scored -= num_tokens;
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SchedulerLimits {
     pub max_num_seqs: usize,
@@ -108,12 +139,15 @@ impl Scheduler {
         blocks: &mut BlockManager,
     ) -> StepPlan {
         let mut plan = StepPlan::default();
-        let mut budget = self.limits.max_num_batched_tokens;
+        let mut budget = StepBudget {
+            tokens: self.limits.max_num_batched_tokens,
+            scored: MAX_SCORED_TOKENS_PER_STEP,
+        };
         // (id, tokens, index in `running` when it joined the step)
         let mut in_step: Vec<(SequenceId, usize, usize)> = Vec::new();
         let mut admission_blocked = false;
         for candidate in self.order(running, waiting) {
-            if budget == 0 || in_step.len() >= self.limits.max_num_seqs {
+            if budget.tokens == 0 || in_step.len() >= self.limits.max_num_seqs {
                 break;
             }
             match candidate {
@@ -121,7 +155,7 @@ impl Scheduler {
                     let Some(index) = locate(running, id, hint) else {
                         continue;
                     };
-                    let num_tokens = running[index].num_uncomputed().min(budget);
+                    let num_tokens = running[index].num_uncomputed().min(budget.for_seq(&running[index]));
                     if num_tokens == 0 {
                         continue;
                     }
@@ -130,7 +164,7 @@ impl Scheduler {
                         continue;
                     };
                     in_step.push((id, num_tokens, index));
-                    budget -= num_tokens;
+                    budget.take(&running[index], num_tokens);
                 }
                 Candidate::Waiting(id) => {
                     // No admissions in a step that had to preempt: that would only thrash.
@@ -141,7 +175,7 @@ impl Scheduler {
                         Some((num_tokens, first_time)) => {
                             plan.first_admissions += usize::from(first_time);
                             in_step.push((id, num_tokens, running.len() - 1));
-                            budget -= num_tokens;
+                            budget.take(&running[running.len() - 1], num_tokens);
                         }
                         // Within a priority order, the next waiting sequence does not jump ahead.
                         None => admission_blocked = true,
@@ -244,9 +278,13 @@ fn admit(
     running: &mut Vec<Sequence>,
     waiting: &mut WaitingQueue,
     blocks: &mut BlockManager,
-    budget: usize,
+    budget: StepBudget,
 ) -> Option<(usize, bool)> {
     let mut seq = waiting.remove(id)?;
+    if budget.for_seq(&seq) == 0 {
+        waiting.push_front(seq);
+        return None;
+    }
     // A prompt whose tokens are scored is computed whole: cached blocks hold no logits.
     let prefix = if seq.scores_prompt() {
         PrefixMatch::default()
@@ -262,7 +300,7 @@ fn admit(
     // Room for the rest of its history and a first block of output.
     let expected = seq.tokens.len() + (blocks.block_size() as usize).min(seq.request.stopping.max_new_tokens as usize);
     let new_blocks = blocks.blocks_for(expected).saturating_sub(seq.blocks.len() as u32);
-    let num_tokens = seq.num_uncomputed().min(budget);
+    let num_tokens = seq.num_uncomputed().min(budget.for_seq(&seq));
     let accepted = matches!(
         blocks.admission(new_blocks, !running.is_empty()),
         Admission::Accepted { .. }

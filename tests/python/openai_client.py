@@ -303,6 +303,28 @@ for endpoint, body, param in [
         check(False, f"{param} in {body} is refused")
     except openai.BadRequestError as error:
         check(error.body["param"] == param, f"{body}: {error.body}")
+# Special tokens are echoed as written, text or token ids, and the offsets count them so.
+special = "A<|im_end|>B C"
+marked = client.completions.create(model=model, prompt=special, echo=True, max_tokens=0, logprobs=0).choices[0]
+by_ids = client.completions.create(
+    model=model, prompt=[32, 2, 33], echo=True, max_tokens=0, logprobs=0
+).choices[0]
+for echo in (marked, by_ids):
+    lp = echo.logprobs
+    check(
+        all(echo.text[o : o + len(t)] == t for o, t in zip(lp.text_offset, lp.tokens)),
+        f"offsets {lp.text_offset} into {echo.text!r} for {lp.tokens}",
+    )
+check("<|im_end|>" in by_ids.text, f"a token-id prompt's special token echoed: {by_ids.text!r}")
+# A prompt that fills the whole context may still be scored: nothing is generated after it.
+context = client.models.list().data[0].model_extra["max_model_len"]
+full = client.completions.create(model=model, prompt=[33] * context, echo=True, max_tokens=0, logprobs=0)
+check(len(full.choices[0].logprobs.tokens) == context and full.usage.completion_tokens == 0, "a full context echoed")
+# n copies share their first choice's scores.
+copies = client.completions.create(model=model, prompt=prompt, n=2, echo=True, logprobs=1, **greedy).choices
+scored_prompt = [c.logprobs.token_logprobs[: len(echoed.tokens)] for c in copies]
+check(scored_prompt[0] == scored_prompt[1], f"both choices score the prompt alike: {scored_prompt}")
+check(all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(scored_prompt[0][1:], echoed.token_logprobs[1:])), "as alone")
 print("echo and prompt_logprobs: the prompt repeated and scored, alike on every path")
 
 # --- errors in OpenAI's shape

@@ -130,6 +130,7 @@ fn to_draft(id: String, request: proto::GenerateRequest) -> Result<RequestDraft,
         stopping: StoppingDraft {
             max_new_tokens: stopping.max_new_tokens,
             default_to_rest_of_context: false,
+            prompt_alone: false,
             confidence_threshold: stopping.confidence_threshold,
             ignore_eos: stopping.ignore_eos,
             stop: stopping.stop,

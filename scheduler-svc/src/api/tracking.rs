@@ -56,6 +56,8 @@ pub struct TrackedRequest {
     outcome: Option<&'static str>,
     /// An event taken early ([`Self::wait_for_first_event`]), handed out first.
     held: Option<SequenceEvent>,
+    /// The prompt's logprobs, once they went past (or were taken early).
+    prompt_logprobs: Option<Vec<PromptTokenLogprob>>,
 }
 
 impl TrackedRequest {
@@ -78,6 +80,7 @@ impl TrackedRequest {
             generated: 0,
             outcome: None,
             held: None,
+            prompt_logprobs: None,
         }
     }
 
@@ -92,6 +95,12 @@ impl TrackedRequest {
         if self.held.is_none() && self.outcome.is_none() && self.generated == 0 {
             self.held = self.next().await;
         }
+    }
+
+    /// The prompt's logprobs, when the request asked for them and they arrived (by
+    /// [`Self::wait_for_first_event`]'s return, if at all).
+    pub fn prompt_logprobs(&self) -> Option<&[PromptTokenLogprob]> {
+        self.prompt_logprobs.as_deref()
     }
 
     pub fn id(&self) -> &str {
@@ -170,7 +179,8 @@ impl TrackedRequest {
         }
         self.generated += new_tokens;
         match event {
-            SequenceEvent::Tokens { .. } | SequenceEvent::PromptLogprobs(_) => {}
+            SequenceEvent::Tokens { .. } => {}
+            SequenceEvent::PromptLogprobs(scores) => self.prompt_logprobs = Some(scores.clone()),
             SequenceEvent::Finished { reason, queue_time, .. } => {
                 let metrics = &self.metrics;
                 let total = self.submitted.elapsed();

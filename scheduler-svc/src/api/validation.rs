@@ -88,6 +88,10 @@ pub struct StoppingDraft {
     /// Without `max_new_tokens`: generate up to the end of the model's context (OpenAI's chat)
     /// rather than the server's `default_max_new_tokens`.
     pub default_to_rest_of_context: bool,
+    /// Only the prompt is wanted (OpenAI's `echo` with `max_tokens: 0`): its one token is made
+    /// and left out by the front, never computed into the cache, so the model's context need
+    /// hold the prompt alone.
+    pub prompt_alone: bool,
     pub ignore_eos: bool,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
@@ -212,7 +216,9 @@ impl Validator {
         }
         let (prompt_field, prompt_ids) = self.prompt_ids(draft.prompt)?;
         let max_model_len = self.limits.max_model_len as usize;
-        if prompt_ids.len() >= max_model_len {
+        // A prompt wanted alone may fill the context: nothing after it is computed.
+        let room_needed = usize::from(!draft.stopping.prompt_alone);
+        if prompt_ids.len() + room_needed > max_model_len {
             return Err(ValidationError::invalid(
                 prompt_field,
                 format!(
@@ -294,7 +300,8 @@ impl Validator {
             return Err(ValidationError::invalid(Field::MaxNewTokens, "must be at least 1"));
         }
         let total = prompt_len + max_new_tokens as usize;
-        if total > max_model_len {
+        let in_context = if stopping.prompt_alone { prompt_len } else { total };
+        if in_context > max_model_len {
             return Err(ValidationError::invalid(
                 Field::MaxNewTokens,
                 format!(

@@ -298,3 +298,47 @@ fn fair_never_admits_a_later_request_ahead_of_one_waiting_for_blocks() {
     });
     assert_eq!(admitted, Some(2), "the earlier request goes first once blocks are free");
 }
+
+#[test]
+fn a_scored_prompt_takes_at_most_the_scored_share_of_a_step() {
+    let mut r = Vec::new();
+    let big = MAX_SCORED_TOKENS_PER_STEP * 3;
+    let mut scheduler = scheduler(4, big, SchedulingPolicy::Fair);
+    let mut blocks = blocks(400, 16);
+    let mut waiting = WaitingQueue::default();
+    let mut scored = seq(1, MAX_SCORED_TOKENS_PER_STEP + 40, Priority::Normal, &mut r);
+    scored.request.sampling.prompt_logprobs = Some(1);
+    let mut twin = seq(2, MAX_SCORED_TOKENS_PER_STEP + 40, Priority::Normal, &mut r);
+    twin.request.sampling.prompt_logprobs = Some(1);
+    waiting.push_back(scored);
+    waiting.push_back(twin);
+    waiting.push_back(seq(3, 300, Priority::Normal, &mut r));
+    let mut running = Vec::new();
+
+    // Each step scores at most its share (the first, one prompt's first chunk); the plain prompt
+    // is not held to it; all three have their first token within the steps the share allows.
+    let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+    assert_eq!(shape(&plan, &running), vec![(1, MAX_SCORED_TOKENS_PER_STEP, false)]);
+    finish_step(&mut running, &plan);
+    let mut steps = 1;
+    while running.len() < 3 || running.iter().any(|s| s.num_generated() == 0) {
+        let plan = scheduler.plan(&mut running, &mut waiting, &mut blocks);
+        let scored: usize = plan
+            .seqs
+            .iter()
+            .filter(|s| running[s.running_index].scores_prompt())
+            .map(|s| s.num_tokens)
+            .sum();
+        assert!(scored <= MAX_SCORED_TOKENS_PER_STEP, "step {steps} scores {scored} tokens");
+        let plain_prefill = plan.seqs.iter().find(|s| {
+            let seq = &running[s.running_index];
+            seq.id == 3 && seq.num_computed == 0
+        });
+        if let Some(plain) = plain_prefill {
+            assert_eq!(plain.num_tokens, 300, "the plain prompt in one chunk");
+        }
+        finish_step(&mut running, &plan);
+        steps += 1;
+        assert!(steps <= 4, "{steps} steps");
+    }
+}

@@ -23,7 +23,7 @@ use super::openai::{
     AssistantMessage, ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, Choice, CompletionLogprobs, GenerationBody,
     PromptTokensDetails, ResponseBody, UsageBody,
 };
-use super::prompt_echo::{push_echoed_logprobs, vllm_prompt_logprobs, PromptEcho};
+use super::prompt_echo::{echoed_text, push_echoed_logprobs, vllm_prompt_logprobs, PromptEcho};
 use super::translate::{output_limit, to_drafts, Endpoint};
 use super::{unix_seconds, HttpState, RequestId};
 use crate::api::tracking::{openai_finish_reason, TrackedRequest};
@@ -133,10 +133,13 @@ async fn generate(
             offsets: CharOffsets::default(),
             echo,
             echoed: echo.echo.then(|| EchoedPrompt {
-                text: prompt_text.unwrap_or_else(|| tokenizer.decode(request.prompt_ids()).unwrap_or_default()),
+                text: prompt_text.unwrap_or_else(|| echoed_text(tokenizer, request.prompt_ids())),
                 ids: request.prompt_ids().to_vec(),
             }),
-            prompt_scores: None,
+            // A copy's are its first choice's, which has them by now (`submit_choices`).
+            prompt_scores: requests[index - index % per_prompt]
+                .prompt_logprobs()
+                .map(<[_]>::to_vec),
         })
         .collect();
     let usage = UsageTotals::new(per_prompt);
@@ -190,7 +193,11 @@ async fn submit_choices(
         if index.is_multiple_of(per_prompt) {
             firsts.push(submit(draft)?);
         } else {
-            copies.push(draft);
+            // The first choice's prompt logprobs serve its copies (`ChoiceBuilder::prompt_scores`),
+            // which then read the prompt from the prefix cache.
+            let mut copy = draft;
+            copy.sampling.prompt_logprobs = None;
+            copies.push(copy);
         }
     }
     if copies.is_empty() {
@@ -278,7 +285,9 @@ async fn whole_response(
         match result {
             Ok(done) => {
                 usage.add(index, builder.usage(done.usage));
-                builder.prompt_scores = done.prompt_logprobs;
+                if done.prompt_logprobs.is_some() {
+                    builder.prompt_scores = done.prompt_logprobs;
+                }
                 if index == 0 && response.endpoint == Endpoint::Chat {
                     chat_prompt_logprobs = builder.vllm_prompt_logprobs();
                 }

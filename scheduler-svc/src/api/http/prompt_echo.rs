@@ -99,6 +99,12 @@ pub fn vllm_prompt_logprobs(
     serde_json::Value::Array(list)
 }
 
+/// The text an echo repeats of a prompt given as token ids: every token as written, special ones
+/// too, as its `logprobs` list them (a text prompt is repeated as given).
+pub fn echoed_text(tokenizer: &ModelTokenizer, prompt_ids: &[u32]) -> String {
+    tokenizer.decode_with_special(prompt_ids).unwrap_or_default()
+}
+
 /// An echoed prompt's entries at the front of completions' `logprobs`: each token's text, offset
 /// and log-probability with its `alternatives` likeliest (the first token's `null`).
 pub fn push_echoed_logprobs(
@@ -112,7 +118,13 @@ pub fn push_echoed_logprobs(
     for (i, &id) in prompt_ids.iter().enumerate() {
         let piece = TokenPiece::of(tokenizer, id);
         out.text_offset.push(offsets.offset());
-        offsets.push(&piece.text_bytes);
+        // The echoed prompt holds its special tokens as written (`<|im_end|>`), unlike an output.
+        let echoed = if piece.text_bytes.is_empty() {
+            piece.text.as_bytes()
+        } else {
+            &piece.text_bytes
+        };
+        offsets.push(echoed);
         out.tokens.push(piece.text);
         // Entry i scores prompt token i + 1; the first token has none.
         let score = i.checked_sub(1).and_then(|before| scores.get(before));

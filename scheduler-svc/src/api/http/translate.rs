@@ -355,6 +355,7 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
             max_new_tokens,
             // vLLM's defaults: completions take the server's default, chat the rest of the context.
             default_to_rest_of_context: endpoint == Endpoint::Chat,
+            prompt_alone: echo.echo_only,
             ignore_eos: body.ignore_eos.unwrap_or(false),
             stop: body.stop.map(|stop| stop.into_vec()).unwrap_or_default(),
             stop_token_ids: body.stop_token_ids.unwrap_or_default(),
