@@ -288,8 +288,11 @@ for i, (entry, token) in enumerate(zip(listed[1:], prompt_ids)):
     check(math.isclose(own["logprob"], echoed.token_logprobs[i + 1], abs_tol=1e-4), f"entry {i}: {own}")
     check(own["rank"] >= 1 and own["decoded_token"] == echoed.tokens[i + 1], f"entry {i}: {own}")
     check(any(e["rank"] == 1 for e in entry.values()), f"entry {i} lists the likeliest token: {entry}")
-chat = client.chat.completions.create(model=model, messages=expected["chat"], max_tokens=1, extra_body={"prompt_logprobs": 0})
-check(chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens, "chat's")
+chat_scored = client.chat.completions.create(
+    model=model, messages=expected["chat"], max_tokens=1, extra_body={"prompt_logprobs": 0}
+)
+scored_list = chat_scored.model_extra["prompt_logprobs"]
+check(scored_list[0] is None and len(scored_list) == chat_scored.usage.prompt_tokens, f"chat's: {scored_list[:2]}")
 streamed = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt=prompt, echo=True, stream=True, **greedy))
 check(streamed == prompt + plain.text, f"a streamed echo: {streamed!r}")
 for endpoint, body, param in [
@@ -386,6 +389,38 @@ with urllib.request.urlopen(request) as response:
 raw = client.completions.with_raw_response.create(model=model, prompt=prompt, **greedy)
 check(len(raw.headers.get("x-request-id", "")) > 0, "a generated request id")
 print("errors, key and request ids: as specified")
+
+# --- vLLM's /tokenize and /detokenize: the ids a request is served with, and back
+def post_json(path, body, key=api_key):
+    request = urllib.request.Request(
+        base_url + path,
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json", "authorization": f"Bearer {key}"},
+    )
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+served = client.completions.create(model=model, prompt=prompt, **greedy)
+code, counted = post_json("/tokenize", {"prompt": prompt, "return_token_strs": True})
+check(code == 200 and counted["tokens"] == served.choices[0].prompt_token_ids, f"tokenize: {counted}")
+check(counted["count"] == served.usage.prompt_tokens and "".join(counted["token_strs"]) == prompt, f"{counted}")
+check(counted["max_model_len"] == client.models.list().data[0].model_extra["max_model_len"], f"{counted}")
+code, counted = post_json("/tokenize", {"messages": expected["chat"]})
+check(code == 200 and counted["tokens"] == chat.prompt_token_ids, f"tokenize a conversation: {counted}")
+code, text = post_json("/detokenize", {"tokens": served.choices[0].prompt_token_ids})
+check(code == 200 and text == {"prompt": prompt}, f"detokenize: {text}")
+for path, body, status, param in [
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "messages": expected["chat"]}, 400, "messages"),
+    ("/detokenize", {"tokens": [1 << 30]}, 400, "tokens"),
+    ("/tokenize", {"prompt": "x", "model": "no-such-model"}, 404, "model"),
+]:
+    code, answer = post_json(path, body)
+    check(code == status and answer["error"]["param"] == param, f"{path} {body}: {code} {answer}")
+check(post_json("/tokenize", {"prompt": "x"}, key="wrong")[0] == 401, "tokenize needs the key")
+print("tokenize and detokenize: the served ids, and back")
 
 # --- a client that goes away cancels its request: it ends as `abort` and frees its KV blocks
 before = scrape()

@@ -208,12 +208,7 @@ pub struct Validator {
 impl Validator {
     /// Applies defaults and limits and tokenizes the prompt.
     pub fn validate(&self, draft: RequestDraft) -> Result<GenerationRequest, ValidationError> {
-        if let Some(requested) = draft.model.filter(|m| !m.is_empty() && *m != self.served_model_name) {
-            return Err(ValidationError::UnknownModel {
-                requested,
-                served: self.served_model_name.clone(),
-            });
-        }
+        self.check_model(draft.model)?;
         let (prompt_field, prompt_ids) = self.prompt_ids(draft.prompt)?;
         let max_model_len = self.limits.max_model_len as usize;
         // A prompt wanted alone may fill the context: nothing after it is computed.
@@ -238,7 +233,20 @@ impl Validator {
         })
     }
 
-    fn prompt_ids(&self, prompt: Prompt) -> Result<(Field, Vec<u32>), ValidationError> {
+    /// The model a request names, if any, must be the one served.
+    pub fn check_model(&self, model: Option<String>) -> Result<(), ValidationError> {
+        match model.filter(|m| !m.is_empty() && *m != self.served_model_name) {
+            Some(requested) => Err(ValidationError::UnknownModel {
+                requested,
+                served: self.served_model_name.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The token ids the model reads for `prompt` (a text, token ids checked against the
+    /// vocabulary, or a conversation through the chat template), as a request would be served.
+    pub fn prompt_ids(&self, prompt: Prompt) -> Result<(Field, Vec<u32>), ValidationError> {
         let (field, text) = match prompt {
             Prompt::TokenIds(ids) => {
                 if ids.is_empty() {

@@ -329,7 +329,10 @@ fn a_scored_prompt_takes_at_most_the_scored_share_of_a_step() {
             .filter(|s| running[s.running_index].scores_prompt())
             .map(|s| s.num_tokens)
             .sum();
-        assert!(scored <= MAX_SCORED_TOKENS_PER_STEP, "step {steps} scores {scored} tokens");
+        assert!(
+            scored <= MAX_SCORED_TOKENS_PER_STEP,
+            "step {steps} scores {scored} tokens"
+        );
         let plain_prefill = plan.seqs.iter().find(|s| {
             let seq = &running[s.running_index];
             seq.id == 3 && seq.num_computed == 0

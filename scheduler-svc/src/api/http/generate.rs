@@ -34,7 +34,7 @@ use crate::tokenizer::ModelTokenizer;
 
 /// The body as bytes or axum's reason not (a body over its limit, say): answered in OpenAI's
 /// JSON like every other error, not as axum's plain text.
-type BodyBytes = Result<Bytes, BytesRejection>;
+pub type BodyBytes = Result<Bytes, BytesRejection>;
 
 pub async fn completions(state: State<HttpState>, id: Extension<RequestId>, body: BodyBytes) -> Response {
     generate(Endpoint::Completions, state, id, body).await
@@ -46,9 +46,10 @@ pub async fn chat_completions(state: State<HttpState>, id: Extension<RequestId>,
 
 /// Parses the body with the path of what was wrong in the error; anything but whitespace after
 /// the JSON value is an error too (a body is one value).
-fn parse_body(body: &[u8]) -> Result<GenerationBody, ApiError> {
-    let deserializer = &mut serde_json::Deserializer::from_slice(body);
-    let parsed: GenerationBody = serde_path_to_error::deserialize(&mut *deserializer)
+pub fn parse_json<T: serde::de::DeserializeOwned>(body: BodyBytes) -> Result<T, ApiError> {
+    let body = body.map_err(|rejection| ApiError::unreadable_body(&rejection))?;
+    let deserializer = &mut serde_json::Deserializer::from_slice(&body);
+    let parsed: T = serde_path_to_error::deserialize(&mut *deserializer)
         .map_err(|error| ApiError::malformed(error.path().to_string(), error.inner().to_string()))?;
     deserializer
         .end()
@@ -62,11 +63,7 @@ async fn generate(
     Extension(RequestId(id)): Extension<RequestId>,
     body: BodyBytes,
 ) -> Response {
-    let body = match body {
-        Ok(body) => body,
-        Err(rejection) => return ApiError::unreadable_body(&rejection).into_response(),
-    };
-    let body = match parse_body(&body) {
+    let body: GenerationBody = match parse_json(body) {
         Ok(body) => body,
         Err(error) => return error.into_response(),
     };

@@ -1,14 +1,17 @@
 //! The OpenAI-compatible HTTP front (axum): `/v1/completions`, `/v1/chat/completions`,
-//! `/v1/models`, and the operational `/health` and `/metrics`. Every response carries the
-//! request's `x-request-id`; the `/v1` routes require the API key when one is set.
+//! `/v1/models`, vLLM's `/tokenize` and `/detokenize`, and the operational `/health` and
+//! `/metrics`. Every response carries the request's `x-request-id`; all but the operational
+//! routes require the API key when one is set.
 //!
 //! - [`openai`]: the JSON shapes; [`translate`]: body → domain draft;
-//!   [`generate`]: the two generation endpoints; [`errors`]: OpenAI's error shape.
+//!   [`generate`]: the two generation endpoints; [`prompt_echo`]: `echo` and prompt logprobs;
+//!   [`tokenize`]: the tokenizer's endpoints; [`errors`]: OpenAI's error shape.
 
 pub mod errors;
 pub mod generate;
 pub mod openai;
 pub mod prompt_echo;
+pub mod tokenize;
 pub mod translate;
 
 use axum::extract::{Request, State};
@@ -46,6 +49,8 @@ pub fn router(state: HttpState) -> Router {
         .route("/v1/completions", post(generate::completions))
         .route("/v1/chat/completions", post(generate::chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
     Router::new()
         .route("/health", get(health))

@@ -2,7 +2,7 @@
 //! OpenAI's parameter names for errors. Refusals of what Rivulet does not support happen here.
 
 use super::errors::ApiError;
-use super::openai::{GenerationBody, LogprobsInput, MessageContent, PriorityInput, PromptInput};
+use super::openai::{GenerationBody, InputMessage, LogprobsInput, MessageContent, PriorityInput, PromptInput};
 use super::prompt_echo::PromptEcho;
 use crate::api::validation::{chat_ending, Field, Prompt, RequestDraft, SamplingDraft, StoppingDraft};
 use crate::chat_template::ChatMessage;
@@ -122,10 +122,21 @@ fn completion_prompts(prompt: Option<PromptInput>) -> Result<Vec<Prompt>, ApiErr
 }
 
 fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
-    let messages = body
-        .messages
-        .take()
-        .ok_or_else(|| ApiError::bad_request("messages", "messages: is required"))?;
+    chat_prompt(
+        body.messages.take(),
+        body.add_generation_prompt,
+        body.continue_final_message,
+    )
+}
+
+/// A conversation as the domain's prompt: the messages' contents (text parts joined), and how
+/// the chat template ends it.
+pub fn chat_prompt(
+    messages: Option<Vec<InputMessage>>,
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
+) -> Result<Prompt, ApiError> {
+    let messages = messages.ok_or_else(|| ApiError::bad_request("messages", "messages: is required"))?;
     let mut converted = Vec::with_capacity(messages.len());
     for message in messages {
         let content = match message.content {
@@ -163,7 +174,7 @@ fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
             content,
         });
     }
-    let ending = chat_ending(body.add_generation_prompt, body.continue_final_message.unwrap_or(false))
+    let ending = chat_ending(add_generation_prompt, continue_final_message.unwrap_or(false))
         .map_err(|e| ApiError::submit(Endpoint::Chat, e.into()))?;
     Ok(Prompt::Messages {
         messages: converted,
