@@ -103,10 +103,12 @@ pub struct GenerationBody {
     pub max_tokens: Option<u32>,
     /// Chat's newer name for `max_tokens`.
     pub max_completion_tokens: Option<u32>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub presence_penalty: Option<f32>,
+    // Numbers as JSON's (f64), narrowed by `translate::narrow`: read as f32 directly, `1e-50`
+    // would become 0 and `1e39` infinite, refused where vLLM takes them.
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
     /// Token ids (as strings) to what is added to their logits, -100 to 100 (OpenAI's).
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
     pub seed: Option<u64>,
@@ -119,8 +121,8 @@ pub struct GenerationBody {
     pub user: Option<String>,
     // vLLM's extras.
     pub top_k: Option<i32>,
-    pub min_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
+    pub min_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
     pub ignore_eos: Option<bool>,
     pub min_tokens: Option<u32>,
     pub stop_token_ids: Option<Vec<u32>>,
@@ -136,7 +138,7 @@ pub struct GenerationBody {
     /// Chat only (vLLM's): leave the last message open for the model to continue.
     pub continue_final_message: Option<bool>,
     /// Rivulet's confidence stop: end at the first token less likely than this (0-1).
-    pub confidence_threshold: Option<f32>,
+    pub confidence_threshold: Option<f64>,
     /// Rivulet's scheduling class, or vLLM's integer (lower is served earlier).
     pub priority: Option<PriorityInput>,
     /// Completions only: the prompt repeated before each choice's text (and its tokens before

@@ -317,3 +317,24 @@ fn echo_and_prompt_logprobs_ask_the_engine_for_the_prompts_scores() {
     let zero = draft(serde_json::json!({"prompt": "x", "max_tokens": 0}));
     assert_eq!(zero.stopping.max_new_tokens, Some(0));
 }
+
+#[test]
+fn json_numbers_narrow_to_f32_keeping_sign_zero_and_finiteness() {
+    assert_eq!(narrow(0.7), 0.7_f32);
+    assert_eq!(narrow(0.0), 0.0);
+    assert_eq!(narrow(1e-50), f32::MIN_POSITIVE);
+    assert_eq!(narrow(-1e-50), -f32::MIN_POSITIVE);
+    assert_eq!(narrow(1e39), f32::MAX);
+    assert_eq!(narrow(-1e300), -f32::MAX);
+    assert!(narrow(f64::NAN).is_nan());
+    assert_eq!(narrow(f64::INFINITY), f32::INFINITY);
+    // As a request reads them: a tiny top_p is a tiny mass, not the refused 0.
+    let draft = to_draft(
+        Endpoint::Completions,
+        "id".to_owned(),
+        body(serde_json::json!({"prompt": "x", "top_p": 1e-50, "temperature": 1e39})),
+    )
+    .expect("draft");
+    assert_eq!(draft.sampling.top_p, Some(f32::MIN_POSITIVE));
+    assert_eq!(draft.sampling.temperature, Some(f32::MAX));
+}
