@@ -364,11 +364,11 @@ try:
 except openai.AuthenticationError as error:
     check(error.status_code == 401, str(error))
 # Bodies that are not one JSON value, or too large to read, are refused in the same JSON shape.
-def raw_post(body):
+def raw_post(body, path="/v1/completions", key=api_key):
     request = urllib.request.Request(
-        base_url + "/v1/completions",
+        base_url + path,
         data=body,
-        headers={"content-type": "application/json", "authorization": f"Bearer {api_key}"},
+        headers={"content-type": "application/json", "authorization": f"Bearer {key}"},
     )
     try:
         with urllib.request.urlopen(request) as response:
@@ -392,16 +392,7 @@ print("errors, key and request ids: as specified")
 
 # --- vLLM's /tokenize and /detokenize: the ids a request is served with, and back
 def post_json(path, body, key=api_key):
-    request = urllib.request.Request(
-        base_url + path,
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json", "authorization": f"Bearer {key}"},
-    )
-    try:
-        with urllib.request.urlopen(request) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+    return raw_post(json.dumps(body).encode(), path, key)
 served = client.completions.create(model=model, prompt=prompt, **greedy)
 code, counted = post_json("/tokenize", {"prompt": prompt, "return_token_strs": True})
 check(code == 200 and counted["tokens"] == served.choices[0].prompt_token_ids, f"tokenize: {counted}")

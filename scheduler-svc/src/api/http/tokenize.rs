@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use super::errors::ApiError;
 use super::generate::{parse_json, BodyBytes};
 use super::openai::InputMessage;
-use super::translate::{chat_prompt, Endpoint};
+use super::translate::{chat_prompt, refuse_chat_options, Endpoint};
 use super::HttpState;
 use crate::api::validation::Prompt;
 use crate::token_piece::TokenPiece;
@@ -71,17 +71,11 @@ fn tokenize_body(state: &HttpState, body: BodyBytes) -> Result<TokenizeResponse,
             ))
         }
         (Some(text), None) => {
-            for (param, given) in [
-                ("add_generation_prompt", body.add_generation_prompt.is_some()),
-                ("continue_final_message", body.continue_final_message.is_some()),
-            ] {
-                if given {
-                    return Err(ApiError::bad_request(
-                        param,
-                        format!("{param}: belongs to the chat form (messages)"),
-                    ));
-                }
-            }
+            refuse_chat_options(
+                body.add_generation_prompt,
+                body.continue_final_message,
+                "the chat form (messages)",
+            )?;
             (Endpoint::Completions, Prompt::Text(text))
         }
         (None, messages @ Some(_)) => (

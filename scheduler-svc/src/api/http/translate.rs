@@ -129,6 +129,24 @@ fn chat_messages(body: &mut GenerationBody) -> Result<Prompt, ApiError> {
     )
 }
 
+/// Refuses the chat template's options given with a prompt that is not a conversation, saying
+/// where they `belong`.
+pub fn refuse_chat_options(
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
+    belong: &str,
+) -> Result<(), ApiError> {
+    for (param, given) in [
+        ("add_generation_prompt", add_generation_prompt.is_some()),
+        ("continue_final_message", continue_final_message.is_some()),
+    ] {
+        if given {
+            return Err(ApiError::bad_request(param, format!("{param}: belongs to {belong}")));
+        }
+    }
+    Ok(())
+}
+
 /// A conversation as the domain's prompt: the messages' contents (text parts joined), and how
 /// the chat template ends it.
 pub fn chat_prompt(
@@ -301,17 +319,11 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
                     "messages: belongs to /v1/chat/completions; send a prompt here",
                 ));
             }
-            for (param, given) in [
-                ("add_generation_prompt", body.add_generation_prompt.is_some()),
-                ("continue_final_message", body.continue_final_message.is_some()),
-            ] {
-                if given {
-                    return Err(ApiError::bad_request(
-                        param,
-                        format!("{param}: belongs to /v1/chat/completions (it shapes the chat template's prompt)"),
-                    ));
-                }
-            }
+            refuse_chat_options(
+                body.add_generation_prompt,
+                body.continue_final_message,
+                "/v1/chat/completions (it shapes the chat template's prompt)",
+            )?;
             completion_prompts(body.prompt.take())?
         }
         Endpoint::Chat => {
