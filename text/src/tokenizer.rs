@@ -161,6 +161,12 @@ impl ModelTokenizer {
             .map_err(|e| TokenizerError::Encode(e.to_string()))
     }
 
+    /// The vocabulary's own string for `id` (byte-level tokens as the tokenizer stores them,
+    /// `Ġworld`), as Hugging Face's `convert_ids_to_tokens` gives it; `None` outside the vocabulary.
+    pub fn token_string(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)
+    }
+
     /// Text of `ids` with control tokens written out (`<|im_end|>`), for listings of tokens.
     pub fn decode_with_special(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         self.inner

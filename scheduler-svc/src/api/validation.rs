@@ -62,14 +62,16 @@ pub fn chat_ending(
 /// Sampling parameters as given; `None` takes vLLM's default.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SamplingDraft {
-    pub temperature: Option<f32>,
+    // Numbers as sent (HTTP's JSON numbers are f64; gRPC's f32 widen exactly): ranges are checked
+    // on them, then they are narrowed ([`narrow`]).
+    pub temperature: Option<f64>,
     /// -1 and 0 keep every token.
     pub top_k: Option<i32>,
-    pub top_p: Option<f32>,
-    pub min_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub presence_penalty: Option<f32>,
+    pub top_p: Option<f64>,
+    pub min_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
     pub seed: Option<u64>,
     pub logprobs: bool,
     pub top_logprobs: u32,
@@ -98,7 +100,7 @@ pub struct StoppingDraft {
     pub min_new_tokens: u32,
     pub max_response_chars: Option<u32>,
     pub include_stop_str_in_output: bool,
-    pub confidence_threshold: Option<f32>,
+    pub confidence_threshold: Option<f64>,
 }
 
 /// A request as a front received it, before validation.
@@ -361,15 +363,18 @@ impl Validator {
                 "must be at least 1 when set",
             ));
         }
-        let confidence_threshold = stopping.confidence_threshold.or(self.default_confidence_threshold);
-        if let Some(threshold) = confidence_threshold {
-            check(
-                Field::ConfidenceThreshold,
-                threshold,
-                threshold > 0.0 && threshold < 1.0,
-                "(0, 1)",
-            )?;
-        }
+        let confidence_threshold = stopping
+            .confidence_threshold
+            .or(self.default_confidence_threshold.map(f64::from))
+            .map(|threshold| {
+                check(
+                    Field::ConfidenceThreshold,
+                    threshold,
+                    threshold > 0.0 && threshold < 1.0,
+                    "(0, 1)",
+                )
+            })
+            .transpose()?;
         let mut stop_strings = stopping.stop;
         stop_strings.extend(self.default_stop_strings.iter().cloned());
         Ok(StoppingParams {
@@ -385,14 +390,44 @@ impl Validator {
     }
 }
 
-fn check(field: Field, value: f32, ok: bool, range: &str) -> Result<f32, ValidationError> {
+/// `value`, checked as sent, as the f32 the engine takes ([`narrow`]).
+fn check(field: Field, value: f64, ok: bool, range: &str) -> Result<f32, ValidationError> {
     if value.is_finite() && ok {
-        Ok(value)
+        Ok(narrow(value))
     } else {
         Err(ValidationError::invalid(
             field,
             format!("{value} is out of range: {range}"),
         ))
+    }
+}
+
+/// A number checked against its range as the f32 the engine takes, rounded toward zero, so that
+/// it stays inside every range validation checks (each bound is 0 or a small integer: `0.9999999999`
+/// stays below 1, `2.0000000001` was refused before), but never to zero from a non-zero value (a
+/// tiny `top_p` is a tiny mass, not the refused 0) and never to infinity from a finite one (f32's
+/// largest instead).
+pub fn narrow(value: f64) -> f32 {
+    let nearest = value as f32;
+    if value.is_nan() || value.is_infinite() || value == 0.0 {
+        return nearest;
+    }
+    if nearest.is_infinite() {
+        return f32::MAX.copysign(nearest);
+    }
+    let toward_zero = if f64::from(nearest).abs() > value.abs() {
+        if nearest > 0.0 {
+            nearest.next_down()
+        } else {
+            nearest.next_up()
+        }
+    } else {
+        nearest
+    };
+    if toward_zero.abs() < f32::MIN_POSITIVE {
+        f32::MIN_POSITIVE.copysign(value as f32)
+    } else {
+        toward_zero
     }
 }
 
@@ -465,7 +500,8 @@ fn logit_bias(
 /// Sampling parameters with vLLM's defaults and ranges, for a model of `vocab` tokens.
 pub fn sampling_params(sampling: SamplingDraft, vocab: u32) -> Result<SamplingParams, ValidationError> {
     let defaults = SamplingParams::default();
-    let temperature = sampling.temperature.unwrap_or(defaults.temperature);
+    let or_default = |value: Option<f64>, default: f32| value.unwrap_or(f64::from(default));
+    let temperature = or_default(sampling.temperature, defaults.temperature);
     let top_k = sampling.top_k.unwrap_or(0);
     if top_k < -1 {
         return Err(ValidationError::invalid(
@@ -473,11 +509,11 @@ pub fn sampling_params(sampling: SamplingDraft, vocab: u32) -> Result<SamplingPa
             format!("{top_k} is out of range: -1, 0 (all) or positive"),
         ));
     }
-    let top_p = sampling.top_p.unwrap_or(defaults.top_p);
-    let min_p = sampling.min_p.unwrap_or(defaults.min_p);
-    let repetition = sampling.repetition_penalty.unwrap_or(defaults.repetition_penalty);
-    let frequency = sampling.frequency_penalty.unwrap_or(defaults.frequency_penalty);
-    let presence = sampling.presence_penalty.unwrap_or(defaults.presence_penalty);
+    let top_p = or_default(sampling.top_p, defaults.top_p);
+    let min_p = or_default(sampling.min_p, defaults.min_p);
+    let repetition = or_default(sampling.repetition_penalty, defaults.repetition_penalty);
+    let frequency = or_default(sampling.frequency_penalty, defaults.frequency_penalty);
+    let presence = or_default(sampling.presence_penalty, defaults.presence_penalty);
     for (field, alternatives) in [
         (Field::TopLogprobs, Some(sampling.top_logprobs)),
         (Field::PromptLogprobs, sampling.prompt_logprobs),
@@ -489,7 +525,7 @@ pub fn sampling_params(sampling: SamplingDraft, vocab: u32) -> Result<SamplingPa
             ));
         }
     }
-    let penalty = |field, value: f32| check(field, value, (-2.0..=2.0).contains(&value), "[-2, 2]");
+    let penalty = |field, value: f64| check(field, value, (-2.0..=2.0).contains(&value), "[-2, 2]");
     let (logit_bias, allowed_only) = logit_bias(sampling.logit_bias, sampling.allowed_token_ids, vocab)?;
     Ok(SamplingParams {
         temperature: check(
@@ -533,6 +569,57 @@ mod tests {
     }
 
     #[test]
+    fn numbers_are_checked_as_sent_and_narrowed_toward_zero_but_never_to_it() {
+        assert_eq!(narrow(0.7), 0.7_f32);
+        assert_eq!(narrow(0.0), 0.0);
+        assert!(narrow(0.9999999999) < 1.0);
+        assert!(narrow(-1.9999999999) >= -2.0);
+        assert_eq!(narrow(1e-50), f32::MIN_POSITIVE);
+        assert_eq!(narrow(-1e-300), -f32::MIN_POSITIVE);
+        assert_eq!(narrow(1e39), f32::MAX);
+        assert_eq!(narrow(-1e300), -f32::MAX);
+        assert!(narrow(f64::NAN).is_nan());
+        assert_eq!(narrow(f64::INFINITY), f32::INFINITY);
+        let tiny = sampling_params(
+            SamplingDraft {
+                top_p: Some(1e-50),
+                temperature: Some(1e39),
+                ..Default::default()
+            },
+            VOCAB,
+        )
+        .expect("a tiny mass and a huge temperature");
+        assert_eq!((tiny.top_p, tiny.temperature), (f32::MIN_POSITIVE, f32::MAX));
+        for (draft, field) in [
+            (
+                SamplingDraft {
+                    frequency_penalty: Some(2.0000000001),
+                    ..Default::default()
+                },
+                Field::FrequencyPenalty,
+            ),
+            (
+                SamplingDraft {
+                    top_p: Some(1.00000001),
+                    ..Default::default()
+                },
+                Field::TopP,
+            ),
+        ] {
+            match sampling_params(draft, VOCAB) {
+                Err(ValidationError::Invalid { field: named, problem }) => {
+                    assert_eq!(named, field);
+                    assert!(
+                        problem.starts_with("2.0000000001") || problem.starts_with("1.00000001"),
+                        "{problem}"
+                    );
+                }
+                other => panic!("{field:?} just past its range: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn defaults_are_vllms_and_bad_values_name_their_field() {
         let params = sampling_params(SamplingDraft::default(), VOCAB).expect("defaults");
         assert_eq!((params.temperature, params.top_p, params.top_k), (1.0, 1.0, 0));
@@ -548,7 +635,7 @@ mod tests {
             ),
             (
                 SamplingDraft {
-                    temperature: Some(f32::INFINITY),
+                    temperature: Some(f64::INFINITY),
                     ..Default::default()
                 },
                 Field::Temperature,
@@ -590,7 +677,7 @@ mod tests {
             ),
             (
                 SamplingDraft {
-                    repetition_penalty: Some(f32::INFINITY),
+                    repetition_penalty: Some(f64::INFINITY),
                     ..Default::default()
                 },
                 Field::RepetitionPenalty,
@@ -604,7 +691,7 @@ mod tests {
             ),
             (
                 SamplingDraft {
-                    presence_penalty: Some(f32::NAN),
+                    presence_penalty: Some(f64::NAN),
                     ..Default::default()
                 },
                 Field::PresencePenalty,

@@ -103,15 +103,16 @@ pub struct GenerationBody {
     pub max_tokens: Option<u32>,
     /// Chat's newer name for `max_tokens`.
     pub max_completion_tokens: Option<u32>,
-    // Numbers as JSON's (f64), narrowed by `translate::narrow`: read as f32 directly, `1e-50`
-    // would become 0 and `1e39` infinite, refused where vLLM takes them.
+    // Numbers as JSON's (f64), checked as sent and then narrowed (`validation::narrow`): read as
+    // f32 directly, `1e-50` would become 0 and `1e39` infinite, refused where vLLM takes them.
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     pub frequency_penalty: Option<f64>,
     pub presence_penalty: Option<f64>,
     /// Token ids (as strings) to what is added to their logits, -100 to 100 (OpenAI's).
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
-    pub seed: Option<u64>,
+    /// vLLM's range, a signed 64-bit integer; -1 is vLLM's "no seed".
+    pub seed: Option<i64>,
     pub stop: Option<StopInput>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
@@ -131,6 +132,9 @@ pub struct GenerationBody {
     pub allowed_token_ids: Option<Vec<u32>>,
     /// Also return the generated token ids (`choices[].token_ids`).
     pub return_token_ids: Option<bool>,
+    /// vLLM's: whether the tokenizer adds its special tokens (a BOS) to the prompt. Accepted for
+    /// its clients; Rivulet reads every prompt as written (SmolLM2's tokenizer adds none).
+    pub add_special_tokens: Option<bool>,
     /// Each prompt token's log-probability (after the first), with this many alternatives.
     pub prompt_logprobs: Option<u32>,
     /// Chat only (vLLM's): open the assistant's turn after the messages (default true).

@@ -15,7 +15,6 @@ use super::openai::InputMessage;
 use super::translate::{chat_prompt, refuse_chat_options, Endpoint};
 use super::HttpState;
 use crate::api::validation::Prompt;
-use crate::token_piece::TokenPiece;
 
 /// A `/tokenize` body: vLLM's completion form (`prompt`) or chat form (`messages`).
 #[derive(Debug, Deserialize)]
@@ -90,15 +89,25 @@ fn tokenize_body(state: &HttpState, body: BodyBytes) -> Result<TokenizeResponse,
         }
     };
     let validator = &state.front.validator;
-    let tokens = validator
+    validator
         .check_model(body.model)
-        .and_then(|()| validator.prompt_ids(prompt))
-        .map_err(|error| ApiError::submit(endpoint, error.into()))?
-        .1;
+        .map_err(|error| ApiError::submit(endpoint, error.into()))?;
+    // An empty text is no tokens here, as in vLLM (generation refuses it).
+    let tokens = match prompt {
+        Prompt::Text(text) if text.is_empty() => Vec::new(),
+        prompt => {
+            validator
+                .prompt_ids(prompt)
+                .map_err(|error| ApiError::submit(endpoint, error.into()))?
+                .1
+        }
+    };
+    // vLLM's `token_strs`: the vocabulary's strings, which a byte-level vocabulary keeps apart
+    // where decoded text would read `�` for every part of a character.
     let token_strs = body.return_token_strs.unwrap_or(false).then(|| {
         tokens
             .iter()
-            .map(|&id| TokenPiece::of(&validator.tokenizer, id).text)
+            .map(|&id| validator.tokenizer.token_string(id).unwrap_or_default())
             .collect()
     });
     Ok(TokenizeResponse {

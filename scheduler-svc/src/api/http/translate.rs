@@ -267,21 +267,6 @@ pub fn to_drafts(endpoint: Endpoint, id: String, body: GenerationBody) -> Result
     Ok(drafts)
 }
 
-/// A JSON number as the f32 the domain takes, keeping what the range checks test: a finite
-/// value beyond f32's range saturates at its largest, and a non-zero one below its smallest
-/// normal keeps its sign as f32's smallest normal (`top_p: 1e-50` is a tiny positive mass, as
-/// vLLM reads it, not 0); NaN and ±∞ stay what they are, for validation to refuse.
-pub fn narrow(value: f64) -> f32 {
-    let narrowed = value as f32;
-    if value.is_finite() && narrowed.is_infinite() {
-        f32::MAX.copysign(narrowed)
-    } else if value != 0.0 && narrowed.abs() < f32::MIN_POSITIVE {
-        f32::MIN_POSITIVE.copysign(narrowed)
-    } else {
-        narrowed
-    }
-}
-
 /// OpenAI's `logit_bias`: an object from token ids (strings, as JSON keys are) to numbers.
 fn logit_bias(bias: Option<serde_json::Map<String, serde_json::Value>>) -> Result<Vec<(u32, f32)>, ApiError> {
     let invalid = |message: String| ApiError::bad_request("logit_bias", format!("logit_bias: {message}"));
@@ -375,14 +360,15 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
         model: body.model,
         prompt: prompts[0].clone(),
         sampling: SamplingDraft {
-            temperature: body.temperature.map(narrow),
+            temperature: body.temperature,
             top_k: body.top_k,
-            top_p: body.top_p.map(narrow),
-            min_p: body.min_p.map(narrow),
-            repetition_penalty: body.repetition_penalty.map(narrow),
-            frequency_penalty: body.frequency_penalty.map(narrow),
-            presence_penalty: body.presence_penalty.map(narrow),
-            seed: body.seed,
+            top_p: body.top_p,
+            min_p: body.min_p,
+            repetition_penalty: body.repetition_penalty,
+            frequency_penalty: body.frequency_penalty,
+            presence_penalty: body.presence_penalty,
+            // The seed's bits: a negative seed is as good a seed (vLLM takes them), but for -1.
+            seed: body.seed.filter(|&seed| seed != -1).map(|seed| seed as u64),
             logprobs,
             top_logprobs,
             logit_bias: logit_bias(body.logit_bias)?,
@@ -400,7 +386,7 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
             min_new_tokens: body.min_tokens.unwrap_or(0),
             max_response_chars: None,
             include_stop_str_in_output: body.include_stop_str_in_output.unwrap_or(false),
-            confidence_threshold: body.confidence_threshold.map(narrow),
+            confidence_threshold: body.confidence_threshold,
         },
         priority: priority(body.priority)?,
     };
