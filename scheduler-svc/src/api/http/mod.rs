@@ -9,6 +9,7 @@
 
 pub mod errors;
 pub mod generate;
+mod lax_integer;
 pub mod openai;
 pub mod prompt_echo;
 pub mod tokenize;

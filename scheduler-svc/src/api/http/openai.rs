@@ -5,6 +5,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::lax_integer;
+
 // Each untagged enum names what it takes (`expecting`): serde's own message would name the Rust
 // type ("data did not match any variant of untagged enum PromptInput").
 #[derive(Debug, Deserialize)]
@@ -100,8 +102,10 @@ pub struct GenerationBody {
     pub prompt: Option<PromptInput>,
     /// Chat only.
     pub messages: Option<Vec<InputMessage>>,
+    #[serde(default, deserialize_with = "lax_integer::option")]
     pub max_tokens: Option<u32>,
     /// Chat's newer name for `max_tokens`.
+    #[serde(default, deserialize_with = "lax_integer::option")]
     pub max_completion_tokens: Option<u32>,
     // Numbers as JSON's (f64), checked as sent and then narrowed (`validation::narrow`): read as
     // f32 directly, `1e-50` would become 0 and `1e39` infinite, refused where vLLM takes them.
@@ -112,19 +116,23 @@ pub struct GenerationBody {
     /// Token ids (as strings) to what is added to their logits, -100 to 100 (OpenAI's).
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
     /// vLLM's range, a signed 64-bit integer; -1 is vLLM's "no seed".
+    #[serde(default, deserialize_with = "lax_integer::option")]
     pub seed: Option<i64>,
     pub stop: Option<StopInput>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub logprobs: Option<LogprobsInput>,
     /// Chat only.
+    #[serde(default, deserialize_with = "lax_integer::option")]
     pub top_logprobs: Option<u32>,
     pub user: Option<String>,
     // vLLM's extras.
+    #[serde(default, deserialize_with = "lax_integer::option")]
     pub top_k: Option<i32>,
     pub min_p: Option<f64>,
     pub repetition_penalty: Option<f64>,
     pub ignore_eos: Option<bool>,
+    #[serde(default, deserialize_with = "lax_integer::option")]
     pub min_tokens: Option<u32>,
     pub stop_token_ids: Option<Vec<u32>>,
     pub include_stop_str_in_output: Option<bool>,
@@ -136,6 +144,7 @@ pub struct GenerationBody {
     /// its clients; Rivulet reads every prompt as written (SmolLM2's tokenizer adds none).
     pub add_special_tokens: Option<bool>,
     /// Each prompt token's log-probability (after the first), with this many alternatives.
+    #[serde(default, deserialize_with = "lax_integer::option")]
     pub prompt_logprobs: Option<u32>,
     /// Chat only (vLLM's): open the assistant's turn after the messages (default true).
     pub add_generation_prompt: Option<bool>,
@@ -149,7 +158,9 @@ pub struct GenerationBody {
     /// the choice's in `logprobs`).
     pub echo: Option<bool>,
     // OpenAI parameters Rivulet refuses unless they ask for the default.
+    #[serde(default, deserialize_with = "lax_integer::option")]
     pub n: Option<u32>,
+    #[serde(default, deserialize_with = "lax_integer::option")]
     pub best_of: Option<u32>,
     pub suffix: Option<String>,
     pub tools: Option<serde_json::Value>,
