@@ -163,6 +163,17 @@ pub struct GenerationBody {
     #[serde(default, deserialize_with = "lax_integer::option")]
     pub best_of: Option<u32>,
     pub suffix: Option<String>,
+    // vLLM's extras that clients send at their defaults; refused otherwise.
+    /// Default true: special tokens are left out of the text.
+    pub skip_special_tokens: Option<bool>,
+    /// Default true.
+    pub spaces_between_special_tokens: Option<bool>,
+    /// Default false.
+    pub use_beam_search: Option<bool>,
+    /// Default 1 (beam search's).
+    pub length_penalty: Option<f64>,
+    /// Default none (no truncation).
+    pub truncate_prompt_tokens: Option<serde_json::Value>,
     pub tools: Option<serde_json::Value>,
     pub tool_choice: Option<serde_json::Value>,
     pub functions: Option<serde_json::Value>,

@@ -72,6 +72,36 @@ fn refuse_unsupported(body: &GenerationBody) -> Result<(), ApiError> {
     if body.suffix.is_some() {
         return Err(unsupported("suffix", "a suffix (insertion)"));
     }
+    // vLLM's extras, taken at their defaults (clients send them so), refused otherwise.
+    for (param, changed, what) in [
+        (
+            "skip_special_tokens",
+            body.skip_special_tokens == Some(false),
+            "special tokens in the text (false)",
+        ),
+        (
+            "spaces_between_special_tokens",
+            body.spaces_between_special_tokens == Some(false),
+            "false",
+        ),
+        ("use_beam_search", body.use_beam_search == Some(true), "beam search"),
+        (
+            "length_penalty",
+            body.length_penalty.is_some_and(|penalty| penalty != 1.0),
+            "a length penalty (beam search's) other than 1",
+        ),
+        (
+            "truncate_prompt_tokens",
+            body.truncate_prompt_tokens
+                .as_ref()
+                .is_some_and(|value| !value.is_null()),
+            "truncating the prompt",
+        ),
+    ] {
+        if changed {
+            return Err(unsupported(param, what));
+        }
+    }
     let absent_or_none = |value: &Option<serde_json::Value>| match value {
         None | Some(serde_json::Value::Null) => true,
         Some(serde_json::Value::String(s)) => s == "none",

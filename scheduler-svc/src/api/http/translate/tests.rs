@@ -337,3 +337,23 @@ fn a_seed_is_vllms_signed_integer_and_minus_one_is_none() {
     let too_big = serde_json::from_value::<GenerationBody>(serde_json::json!({"prompt": "x", "seed": u64::MAX}));
     assert!(too_big.is_err());
 }
+
+#[test]
+fn vllms_extras_are_taken_at_their_defaults_and_refused_otherwise() {
+    let defaults = serde_json::json!({
+        "prompt": "x", "skip_special_tokens": true, "spaces_between_special_tokens": true,
+        "use_beam_search": false, "length_penalty": 1.0, "truncate_prompt_tokens": null
+    });
+    assert!(to_draft(Endpoint::Completions, "id".to_owned(), body(defaults)).is_ok());
+    for (param, value) in [
+        ("skip_special_tokens", serde_json::json!(false)),
+        ("spaces_between_special_tokens", serde_json::json!(false)),
+        ("use_beam_search", serde_json::json!(true)),
+        ("length_penalty", serde_json::json!(0.5)),
+        ("truncate_prompt_tokens", serde_json::json!(8)),
+    ] {
+        let mut json = serde_json::json!({"prompt": "x"});
+        json[param] = value;
+        assert_eq!(refused(Endpoint::Completions, json), Some(param.to_owned()));
+    }
+}
