@@ -10,30 +10,20 @@ against a running server (`./scripts/serve.sh`; default http://127.0.0.1:8000, 5
 the project's Python (`.venv/bin/python`). Prints the two p50 times and their ratio.
 """
 
-import json
 import random
 import sys
 import time
-import urllib.request
+
+from completions_client import complete
 
 base_url = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000"
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
 PROMPT_TOKENS = 1024
 
 
-def complete(body):
-    request = urllib.request.Request(
-        base_url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
-    with urllib.request.urlopen(request) as response:
-        return json.loads(response.read())
-
-
 def timed(body):
     start = time.perf_counter()
-    complete(body)
+    complete(base_url, body)
     return time.perf_counter() - start
 
 

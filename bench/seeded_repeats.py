@@ -11,24 +11,18 @@ cache and its second hits it.
 """
 
 import concurrent.futures
-import json
 import random
 import sys
 import time
-import urllib.request
+
+import completions_client
 
 base_url = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000"
 prompts = int(sys.argv[2]) if len(sys.argv) > 2 else 16
 
 
 def complete(body):
-    request = urllib.request.Request(
-        base_url + "/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
-    with urllib.request.urlopen(request) as response:
-        return json.loads(response.read())["choices"][0]["text"]
+    return completions_client.complete(base_url, body)["choices"][0]["text"]
 
 
 changed_after_cache_hit = changed_in_crowd = 0
