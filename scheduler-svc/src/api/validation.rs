@@ -397,7 +397,8 @@ fn check(field: Field, value: f64, ok: bool, range: &str) -> Result<f32, Validat
     } else {
         Err(ValidationError::invalid(
             field,
-            format!("{value} is out of range: {range}"),
+            // The shortest form that reads back as the value (`-1e-300`, not 300 zeros).
+            format!("{value:?} is out of range: {range}"),
         ))
     }
 }

@@ -19,10 +19,13 @@ where
     } else if let Some(value) = number.as_u64() {
         T::try_from(value).ok()
     } else {
-        // A float: whole and within i64 (2^63 is the first f64 past it).
+        // A float: whole and strictly inside i64's range (an integer literal past it is read as
+        // the nearest f64, and −2^63 − 1 rounds to −2^63: only integers, read above, reach the
+        // ends exactly).
+        let limit = 2f64.powi(63);
         number
             .as_f64()
-            .filter(|value| value.fract() == 0.0 && (-(2f64.powi(63))..2f64.powi(63)).contains(value))
+            .filter(|value| value.fract() == 0.0 && value.abs() < limit)
             .and_then(|value| T::try_from(value as i64).ok())
     };
     fitted.map(Some).ok_or_else(|| {
@@ -61,6 +64,7 @@ mod tests {
             r#"{"count": -1}"#,
             r#"{"count": 5e9}"#,
             r#"{"seed": 9223372036854775808}"#,
+            r#"{"seed": -9223372036854775809}"#,
             r#"{"seed": 1e300}"#,
             r#"{"count": "3"}"#,
         ] {
