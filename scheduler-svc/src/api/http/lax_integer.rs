@@ -11,10 +11,41 @@ where
     D: Deserializer<'de>,
     T: TryFrom<i64> + TryFrom<u64>,
 {
-    let Some(number) = Option::<serde_json::Number>::deserialize(deserializer)? else {
-        return Ok(None);
-    };
-    let fitted = if let Some(value) = number.as_i64() {
+    Option::<serde_json::Number>::deserialize(deserializer)?
+        .map(|number| fit(&number).ok_or_else(|| misfit::<D::Error, T>(&number)))
+        .transpose()
+}
+
+/// For `#[serde(deserialize_with = "lax_integer::integer")]` on an integer (an enum's variant).
+pub fn integer<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: TryFrom<i64> + TryFrom<u64>,
+{
+    let number = serde_json::Number::deserialize(deserializer)?;
+    fit(&number).ok_or_else(|| misfit::<D::Error, T>(&number))
+}
+
+/// For `#[serde(default, deserialize_with = "lax_integer::option_list")]` on an `Option` of a
+/// list of integers (token ids).
+pub fn option_list<'de, D, T>(deserializer: D) -> Result<Option<Vec<T>>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: TryFrom<i64> + TryFrom<u64>,
+{
+    Option::<Vec<serde_json::Number>>::deserialize(deserializer)?
+        .map(|numbers| {
+            numbers
+                .iter()
+                .map(|number| fit(number).ok_or_else(|| misfit::<D::Error, T>(number)))
+                .collect()
+        })
+        .transpose()
+}
+
+/// `number` as a `T`, if it is a whole number `T` holds.
+fn fit<T: TryFrom<i64> + TryFrom<u64>>(number: &serde_json::Number) -> Option<T> {
+    if let Some(value) = number.as_i64() {
         T::try_from(value).ok()
     } else if let Some(value) = number.as_u64() {
         T::try_from(value).ok()
@@ -27,13 +58,14 @@ where
             .as_f64()
             .filter(|value| value.fract() == 0.0 && value.abs() < limit)
             .and_then(|value| T::try_from(value as i64).ok())
-    };
-    fitted.map(Some).ok_or_else(|| {
-        D::Error::custom(format!(
-            "invalid value: {number}, expected a whole number that fits {}",
-            std::any::type_name::<T>()
-        ))
-    })
+    }
+}
+
+fn misfit<E: Error, T>(number: &serde_json::Number) -> E {
+    E::custom(format!(
+        "invalid value: {number}, expected a whole number that fits {}",
+        std::any::type_name::<T>()
+    ))
 }
 
 #[cfg(test)]
@@ -46,6 +78,8 @@ mod tests {
         count: Option<u32>,
         #[serde(default, deserialize_with = "super::option")]
         seed: Option<i64>,
+        #[serde(default, deserialize_with = "super::option_list")]
+        ids: Option<Vec<u32>>,
     }
 
     fn parse(json: &str) -> Result<Body, serde_json::Error> {
@@ -58,6 +92,8 @@ mod tests {
         assert_eq!((body.count, body.seed), (Some(100), Some(-3)));
         let body = parse(r#"{"count": 7, "seed": null}"#).expect("an integer and a null");
         assert_eq!((body.count, body.seed), (Some(7), None));
+        let body = parse(r#"{"ids": [1, 2.0, 3]}"#).expect("a list");
+        assert_eq!(body.ids, Some(vec![1, 2, 3]));
         assert_eq!(parse("{}").expect("absent").count, None);
         for bad in [
             r#"{"count": 1.5}"#,
@@ -67,6 +103,8 @@ mod tests {
             r#"{"seed": -9223372036854775809}"#,
             r#"{"seed": 1e300}"#,
             r#"{"count": "3"}"#,
+            r#"{"ids": [1, 2.5]}"#,
+            r#"{"ids": [-1]}"#,
         ] {
             assert!(parse(bad).is_err(), "{bad} was taken");
         }

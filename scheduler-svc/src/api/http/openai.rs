@@ -45,7 +45,7 @@ impl StopInput {
 )]
 pub enum LogprobsInput {
     Flag(bool),
-    Count(u32),
+    Count(#[serde(deserialize_with = "lax_integer::integer")] u32),
 }
 
 /// `priority` by name (`low`, `normal`, `high`, `critical`), or as vLLM's integer, where lower is
@@ -57,7 +57,7 @@ pub enum LogprobsInput {
 )]
 pub enum PriorityInput {
     Name(String),
-    Level(i64),
+    Level(#[serde(deserialize_with = "lax_integer::integer")] i64),
 }
 
 #[derive(Debug, Deserialize)]
@@ -134,9 +134,11 @@ pub struct GenerationBody {
     pub ignore_eos: Option<bool>,
     #[serde(default, deserialize_with = "lax_integer::option")]
     pub min_tokens: Option<u32>,
+    #[serde(default, deserialize_with = "lax_integer::option_list")]
     pub stop_token_ids: Option<Vec<u32>>,
     pub include_stop_str_in_output: Option<bool>,
     /// Only these tokens may be chosen.
+    #[serde(default, deserialize_with = "lax_integer::option_list")]
     pub allowed_token_ids: Option<Vec<u32>>,
     /// Also return the generated token ids (`choices[].token_ids`).
     pub return_token_ids: Option<bool>,

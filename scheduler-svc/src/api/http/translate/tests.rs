@@ -357,3 +357,27 @@ fn vllms_extras_are_taken_at_their_defaults_and_refused_otherwise() {
         assert_eq!(refused(Endpoint::Completions, json), Some(param.to_owned()));
     }
 }
+
+#[test]
+fn whole_floats_count_as_integers_in_every_integer_shape() {
+    let draft = to_draft(
+        Endpoint::Completions,
+        "id".to_owned(),
+        body(serde_json::json!({
+            "prompt": "x", "logprobs": 2.0, "priority": -1.0, "max_tokens": 5.0,
+            "stop_token_ids": [13.0, 2], "allowed_token_ids": [282.0]
+        })),
+    )
+    .expect("whole floats");
+    assert_eq!((draft.sampling.logprobs, draft.sampling.top_logprobs), (true, 2));
+    assert_eq!(draft.priority, Priority::High);
+    assert_eq!(draft.stopping.max_new_tokens, Some(5));
+    assert_eq!(draft.stopping.stop_token_ids, vec![13, 2]);
+    assert_eq!(draft.sampling.allowed_token_ids, Some(vec![282]));
+    for fraction in [
+        serde_json::json!({"prompt": "x", "logprobs": 2.5}),
+        serde_json::json!({"prompt": "x", "stop_token_ids": [1.5]}),
+    ] {
+        assert!(serde_json::from_value::<GenerationBody>(fraction).is_err());
+    }
+}
