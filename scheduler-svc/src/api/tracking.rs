@@ -111,10 +111,10 @@ impl TrackedRequest {
     /// event's finish reason and usage — what the stream carries, so unary and streaming agree.
     pub async fn whole_result(&mut self) -> Result<Completed, EngineError> {
         let (mut text, mut token_ids, mut logprobs) = (String::new(), Vec::new(), Vec::new());
-        let mut prompt_logprobs = None;
         while let Some(event) = self.next().await {
             match event {
-                SequenceEvent::PromptLogprobs(scores) => prompt_logprobs = Some(scores),
+                // Kept as it went past (`observe`).
+                SequenceEvent::PromptLogprobs(_) => {}
                 SequenceEvent::Tokens {
                     token_ids: ids,
                     text: delta,
@@ -143,7 +143,7 @@ impl TrackedRequest {
                         reason,
                         stop,
                         usage,
-                        prompt_logprobs,
+                        prompt_logprobs: self.prompt_logprobs.take(),
                     });
                 }
                 SequenceEvent::Failed(error) => return Err(error),

@@ -563,18 +563,8 @@ impl ChoiceBuilder {
                     );
                 }
                 for lp in logprobs {
-                    let piece = self.piece(lp.token_id);
-                    // The chosen token, then the `logprobs` likeliest: up to logprobs + 1 entries,
-                    // as OpenAI defines them and vLLM lists them.
-                    let mut top = serde_json::Map::new();
-                    for (id, logprob) in std::iter::once((lp.token_id, lp.logprob)).chain(lp.top.iter().copied()) {
-                        top.entry(self.piece(id).text).or_insert(serde_json::json!(logprob));
-                    }
-                    out.text_offset.push(self.offsets.offset());
-                    self.offsets.push(&piece.text_bytes);
-                    out.tokens.push(piece.text);
-                    out.token_logprobs.push(Some(lp.logprob));
-                    out.top_logprobs.push(Some(top));
+                    let score = Some((lp.logprob, &lp.top[..]));
+                    out.push_token(&self.tokenizer, &mut self.offsets, lp.token_id, false, score);
                 }
                 serde_json::to_value(out)
             }

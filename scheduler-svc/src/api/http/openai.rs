@@ -6,6 +6,8 @@
 use serde::{Deserialize, Serialize};
 
 use super::lax_integer;
+use crate::token_piece::{CharOffsets, TokenPiece};
+use crate::tokenizer::ModelTokenizer;
 
 // Each untagged enum names what it takes (`expecting`): serde's own message would name the Rust
 // type ("data did not match any variant of untagged enum PromptInput").
@@ -205,6 +207,40 @@ pub struct CompletionLogprobs {
     pub token_logprobs: Vec<Option<f32>>,
     pub top_logprobs: Vec<Option<serde_json::Map<String, serde_json::Value>>>,
     pub text_offset: Vec<usize>,
+}
+
+impl CompletionLogprobs {
+    /// Appends one token: its text, where it starts in the choice's text, and, where it is scored
+    /// (`score`: its logprob and the alternatives to list), its logprob and `top_logprobs` — the
+    /// token itself, then the alternatives, up to `logprobs` + 1 entries as OpenAI defines them
+    /// and vLLM lists them. `special_as_written`: the text holds a special token as written
+    /// (`<|im_end|>`, an echoed prompt's), not left out (an output's).
+    pub fn push_token(
+        &mut self,
+        tokenizer: &ModelTokenizer,
+        offsets: &mut CharOffsets,
+        token_id: u32,
+        special_as_written: bool,
+        score: Option<(f32, &[(u32, f32)])>,
+    ) {
+        let piece = TokenPiece::of(tokenizer, token_id);
+        self.text_offset.push(offsets.offset());
+        if special_as_written && piece.text_bytes.is_empty() {
+            offsets.push(piece.text.as_bytes());
+        } else {
+            offsets.push(&piece.text_bytes);
+        }
+        self.token_logprobs.push(score.map(|(logprob, _)| logprob));
+        self.top_logprobs.push(score.map(|(logprob, alternatives)| {
+            let mut top = serde_json::Map::new();
+            for (id, value) in std::iter::once((token_id, logprob)).chain(alternatives.iter().copied()) {
+                top.entry(TokenPiece::of(tokenizer, id).text)
+                    .or_insert(serde_json::json!(value));
+            }
+            top
+        }));
+        self.tokens.push(piece.text);
+    }
 }
 
 /// One entry of vLLM's `prompt_logprobs` (keyed by token id): a prompt token's and each

@@ -116,28 +116,9 @@ pub fn push_echoed_logprobs(
     out: &mut CompletionLogprobs,
 ) {
     for (i, &id) in prompt_ids.iter().enumerate() {
-        let piece = TokenPiece::of(tokenizer, id);
-        out.text_offset.push(offsets.offset());
-        // The echoed prompt holds its special tokens as written (`<|im_end|>`), unlike an output.
-        let echoed = if piece.text_bytes.is_empty() {
-            piece.text.as_bytes()
-        } else {
-            &piece.text_bytes
-        };
-        offsets.push(echoed);
-        out.tokens.push(piece.text);
         // Entry i scores prompt token i + 1; the first token has none.
         let score = i.checked_sub(1).and_then(|before| scores.get(before));
-        out.token_logprobs.push(score.map(|score| score.logprob));
-        out.top_logprobs.push(score.map(|score| {
-            let mut top = serde_json::Map::new();
-            let listed =
-                std::iter::once((id, score.logprob)).chain(score.top.iter().take(alternatives as usize).copied());
-            for (token, logprob) in listed {
-                top.entry(TokenPiece::of(tokenizer, token).text)
-                    .or_insert(serde_json::json!(logprob));
-            }
-            top
-        }));
+        let listed = score.map(|score| (score.logprob, &score.top[..score.top.len().min(alternatives as usize)]));
+        out.push_token(tokenizer, offsets, id, true, listed);
     }
 }
