@@ -526,3 +526,170 @@ async fn prompt_logprobs_match_transformers_over_chunks_and_skip_the_prefix_cach
     )
     .await;
 }
+
+/// Structured outputs (a choice, regular expressions) choose what transformers chooses when each
+/// step may take only the tokens that the `regex` package's partial matching says keep the text a
+/// possible match, and EOS only where the text matches whole; a JSON schema's output parses and
+/// holds its schema; what cannot be compiled or combined is refused naming the field.
+#[tokio::test(flavor = "multi_thread")]
+async fn structured_outputs_choose_what_transformers_chooses_under_the_same_constraint() {
+    use rivulet::proto::structured_output::Kind;
+    use rivulet::proto::{Choices, FinishReason, StoppingCriteria, StructuredOutput};
+
+    const TOKENS: u32 = 24;
+    let mut client = shared_server().client().await;
+    let chat = |question: &str| format!("<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n");
+    let output = |kind: Kind| StructuredOutput {
+        kind: Some(kind),
+        whitespace_pattern: None,
+    };
+    let guided = |prompt_ids: Vec<u32>, output: StructuredOutput| GenerateRequest {
+        prompt_token_ids: prompt_ids,
+        sampling: Some(SamplingParams {
+            temperature: Some(0.0),
+            structured_output: Some(output),
+            ..Default::default()
+        }),
+        stopping: Some(StoppingCriteria {
+            max_new_tokens: Some(TOKENS),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let months = "(January|February|March|April|May|June|July|August|September|October|November|December)";
+    // (question, the request's structured output, the same constraint as a `regex` pattern)
+    let cases = [
+        (
+            "What is the capital of France?",
+            Kind::Choice(Choices {
+                choices: ["Paris", "London", "Berlin", "Madrid"].map(String::from).to_vec(),
+            }),
+            "Paris|London|Berlin|Madrid".to_owned(),
+        ),
+        (
+            "How many legs does a spider have?",
+            Kind::Regex("[0-9]{1,2} legs".into()),
+            "[0-9]{1,2} legs".to_owned(),
+        ),
+        (
+            "When did people first walk on the moon?",
+            Kind::Regex(format!("{months} [0-9]{{1,2}}, [0-9]{{4}}")),
+            format!("{months} [0-9]{{1,2}}, [0-9]{{4}}"),
+        ),
+        (
+            "List three colours.",
+            Kind::Regex("- [a-z]+\n- [a-z]+\n- [a-z]+".into()),
+            "- [a-z]+\n- [a-z]+\n- [a-z]+".to_owned(),
+        ),
+    ];
+    let texts: Vec<String> = cases.iter().map(|(question, _, _)| chat(question)).collect();
+    let tokenized = tokio::task::spawn_blocking(move || hf_reference(json!({"task": "tokenize", "texts": texts})))
+        .await
+        .expect("tokenize");
+    let prompt_ids: Vec<Vec<u32>> = serde_json::from_value(tokenized["ids"].clone()).expect("ids");
+    let reference_cases: Vec<_> = cases
+        .iter()
+        .zip(&prompt_ids)
+        .map(|((_, _, pattern), ids)| json!({"prompt_ids": ids, "pattern": pattern}))
+        .collect();
+    let reference = tokio::task::spawn_blocking(move || {
+        hf_reference(json!({"task": "guided_greedy", "cases": reference_cases, "max_new_tokens": TOKENS}))
+    })
+    .await
+    .expect("reference");
+    let eos = reference["eos_token_id"].as_u64().expect("eos") as u32;
+    let expected: Vec<Vec<u32>> = serde_json::from_value(reference["results"].clone()).expect("results");
+    for (((question, kind, _), ids), expected) in cases.into_iter().zip(prompt_ids).zip(expected) {
+        let ours = client
+            .generate(guided(ids, output(kind)))
+            .await
+            .expect("guided")
+            .into_inner();
+        let mut tokens = ours.token_ids.clone();
+        if expected.len() < TOKENS as usize {
+            assert_eq!(
+                ours.finish_reason(),
+                FinishReason::EosToken,
+                "{question}: {}",
+                ours.text
+            );
+            assert_eq!(tokens.pop(), Some(eos), "{question}");
+        }
+        assert_eq!(tokens, expected, "{question}: {:?}", ours.text);
+    }
+
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 24},
+            "country": {"enum": ["France", "Germany", "Italy", "Spain"]},
+            "population_millions": {"type": "number"},
+            "capital": {"type": "boolean"}
+        },
+        "required": ["city", "country", "population_millions", "capital"]
+    });
+    let described = client
+        .generate(GenerateRequest {
+            prompt: chat("Describe Paris as JSON."),
+            stopping: Some(StoppingCriteria {
+                max_new_tokens: Some(96),
+                ..Default::default()
+            }),
+            ..guided(Vec::new(), output(Kind::JsonSchema(schema.to_string())))
+        })
+        .await
+        .expect("a JSON schema's output")
+        .into_inner();
+    assert_eq!(described.finish_reason(), FinishReason::EosToken, "{}", described.text);
+    let value: serde_json::Value = serde_json::from_str(&described.text).expect("the output is JSON");
+    let keys: Vec<&str> = value
+        .as_object()
+        .expect("an object")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(keys, ["city", "country", "population_millions", "capital"], "{value}");
+    assert!(
+        value["city"].as_str().is_some_and(|city| city.chars().count() <= 24),
+        "{value}"
+    );
+    assert!(["France", "Germany", "Italy", "Spain"].contains(&value["country"].as_str().unwrap_or("")));
+    assert!(
+        value["population_millions"].is_number() && value["capital"].is_boolean(),
+        "{value}"
+    );
+
+    for (sampling, field) in [
+        (
+            SamplingParams {
+                structured_output: Some(output(Kind::Regex("(unclosed".into()))),
+                ..Default::default()
+            },
+            "sampling.structured_output",
+        ),
+        (
+            SamplingParams {
+                structured_output: Some(output(Kind::Choice(Choices::default()))),
+                ..Default::default()
+            },
+            "sampling.structured_output",
+        ),
+        (
+            SamplingParams {
+                structured_output: Some(output(Kind::Regex("[a-z]+".into()))),
+                allowed_token_ids: vec![1, 2, 3],
+                ..Default::default()
+            },
+            "sampling.structured_output",
+        ),
+        (
+            SamplingParams {
+                structured_output: Some(StructuredOutput::default()),
+                ..Default::default()
+            },
+            "sampling.structured_output",
+        ),
+    ] {
+        assert_invalid_naming(&mut client, sampling, field).await;
+    }
+}

@@ -18,8 +18,9 @@ use serde::{Deserialize, Serialize};
 pub const STEP_MAGIC: u32 = 0x5256_4C54; // "RVLT"
 /// Bumped whenever the buffer's layout changes (2: sampling parameters became [`SeqSampling`] rows;
 /// 3: `banned_count` and `banned_tokens`; 4: those became the rows of logit biases, and
-/// [`SeqSampling::allowed_only`]; 5: prompt logprobs, `prompt_logprob_*`).
-pub const STEP_LAYOUT_VERSION: u32 = 5;
+/// [`SeqSampling::allowed_only`]; 5: prompt logprobs, `prompt_logprob_*`; 6: token masks of
+/// structured outputs, `token_mask_*`).
+pub const STEP_LAYOUT_VERSION: u32 = 6;
 const ARRAY_ALIGN: usize = 64;
 
 /// Written by the scheduler before each `Step`; read by the worker.
@@ -47,8 +48,10 @@ pub struct StepCapacity {
     pub max_blocks_per_seq: u32,
     /// Token ids of all sequences' penalty histories together (`history_tokens`).
     pub max_history_tokens: u32,
+    /// `i64` words of one sequence's token mask: the model's vocabulary in bits, rounded up.
+    pub token_mask_words: u32,
 }
-const _: () = assert!(size_of::<StepCapacity>() == 16);
+const _: () = assert!(size_of::<StepCapacity>() == 20);
 
 /// Alternatives per token that `top_logprobs` may ask for.
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -200,12 +203,13 @@ pub struct ArrayInfo {
     pub align: usize,
 }
 
-/// Generates [`StepLayout`] from the table of arrays. The first line names the capacity's four
-/// counts (`max_tokens`, `max_seqs`, `max_blocks_per_seq`, `max_history_tokens`, as `usize`) for
+/// Generates [`StepLayout`] from the table of arrays. The first line names the capacity's five
+/// counts (`max_tokens`, `max_seqs`, `max_blocks_per_seq`, `max_history_tokens`,
+/// `token_mask_words`, as `usize`) for
 /// the length expressions; then one `name: Element [length]` line per array, in buffer order.
 macro_rules! step_arrays {
     (
-        |$tokens:ident, $seqs:ident, $blocks_per_seq:ident, $history:ident|
+        |$tokens:ident, $seqs:ident, $blocks_per_seq:ident, $history:ident, $mask_words:ident|
         $( $(#[$meta:meta])* $name:ident : $elem:ty [ $len:expr ] ),* $(,)?
     ) => {
         /// Where every array of the buffer lies for one capacity. Inputs are written by the
@@ -227,6 +231,7 @@ macro_rules! step_arrays {
                 let $seqs = capacity.max_seqs as usize;
                 let $blocks_per_seq = capacity.max_blocks_per_seq as usize;
                 let $history = capacity.max_history_tokens as usize;
+                let $mask_words = capacity.token_mask_words as usize;
                 let mut cursor = size_of::<StepHeader>();
                 $( let $name = ArraySpan::<$elem>::place(&mut cursor, $len); )*
                 Self {
@@ -252,7 +257,7 @@ macro_rules! step_arrays {
 }
 
 step_arrays! {
-    |tokens, seqs, blocks_per_seq, history|
+    |tokens, seqs, blocks_per_seq, history, mask_words|
 
     // Inputs, per token of the flat batch.
     /// Token ids: each sequence's tokens of this step, back to back.
@@ -284,6 +289,15 @@ step_arrays! {
     logit_bias_tokens: i64 [seqs * MAX_LOGIT_BIAS],
     /// Laid out as `logit_bias_tokens`: what each adds to its token's logit (finite, or −∞).
     logit_bias_values: f32 [seqs * MAX_LOGIT_BIAS],
+
+    // Inputs: structured outputs' token masks (vLLM's guided decoding), for the sampled
+    // sequences that have one: only the tokens whose bit is set may be chosen (after the logit
+    // biases above, which may still ban some of them); logprobs stay the model's.
+    /// 1 when the sequence's row of `token_masks` applies, else 0.
+    token_mask_used: i64 [seqs],
+    /// `[max_seqs, token_mask_words]`, row-major: bit `t % 64` of word `t / 64` set when token
+    /// `t` may be chosen (the words' bits as `i64`).
+    token_masks: i64 [seqs * mask_words],
 
     // Inputs: penalty histories (prompt, then generated tokens) of the sequences that need one.
     /// Prefix sums into `history_tokens` (`num_seqs + 1` of them).
@@ -332,6 +346,7 @@ mod tests {
             max_seqs: 7,
             max_blocks_per_seq: 13,
             max_history_tokens: 50,
+            token_mask_words: 3,
         });
         let mut end = size_of::<StepHeader>();
         for array in layout.arrays() {

@@ -167,6 +167,7 @@ mod tests {
             max_seqs: 2,
             max_blocks_per_seq: 4,
             max_history_tokens: 32,
+            token_mask_words: 2,
         };
         let mut owner = StepBuffer::create(capacity).expect("create");
         let layout = *owner.layout();

@@ -22,6 +22,7 @@ pub mod block_manager;
 pub mod completion;
 pub mod config;
 pub mod engine;
+pub mod guide;
 pub mod load_progress;
 pub mod metrics;
 pub mod model_limits;

@@ -1,8 +1,11 @@
 //! Domain types of a generation request and its results, independent of proto and of libtorch.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use thiserror::Error;
+
+use crate::guide::Guide;
 
 /// Sampling parameters, validated; defaults are vLLM's.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,6 +33,9 @@ pub struct SamplingParams {
     /// many likeliest alternatives. Such a request's prompt is computed whole, never read from
     /// the prefix cache, whose blocks hold keys and values but no logits.
     pub prompt_logprobs: Option<u32>,
+    /// A structured output (vLLM's guided decoding): each token chosen from those its guide
+    /// allows where the output is.
+    pub guide: Option<Arc<Guide>>,
 }
 
 impl SamplingParams {
@@ -65,6 +71,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             allowed_only: false,
             prompt_logprobs: None,
+            guide: None,
         }
     }
 }

@@ -8,6 +8,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::block_manager::BlockManager;
 use crate::completion::OutputText;
 use crate::detokenizer::IncrementalDetokenizer;
+use crate::guide::GuideCursor;
 use crate::queue_ticket::QueueTicket;
 use crate::request::{GenerationRequest, PromptTokenLogprob, SequenceEvent};
 
@@ -40,6 +41,8 @@ pub struct Sequence {
     pub submitted_at: Instant,
     /// From submission to its first admission into a step, once admitted.
     pub queue_time: Option<Duration>,
+    /// Where its output is in its structured output's guide, if it has one.
+    pub guide: Option<GuideCursor>,
 }
 
 impl Sequence {
@@ -55,9 +58,11 @@ impl Sequence {
             stopping.include_stop_str_in_output,
             stopping.max_response_chars.map(|c| c as usize),
         );
+        let guide = request.sampling.guide.clone().map(GuideCursor::new);
         Self {
             id,
             output,
+            guide,
             queue_ticket: Some(queue_ticket),
             tokens: request.prompt_ids.clone(),
             request,

@@ -31,6 +31,7 @@ use crate::api::validation::Validator;
 use crate::api::Frontend;
 use crate::config::Config;
 use crate::engine::{self, EngineHandle};
+use crate::guide::{GuideVocabulary, Guides};
 use crate::metrics::Metrics;
 use crate::model_limits::ModelLimits;
 use crate::tokenizer::ModelTokenizer;
@@ -50,6 +51,10 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         byte_level,
         "detokenizer ready (byte_level: each token's bytes appended; otherwise windows of tokens decoded)"
     );
+    let guides = tokenizer.byte_pieces().map(|pieces| {
+        let vocabulary = GuideVocabulary::new(tokenizer.vocab_size(), |id| pieces.get(id), limits.vocab_size);
+        Arc::new(Guides::new(vocabulary))
+    });
     let served_model_name = config.served_model_name();
     let metrics = Arc::new(Metrics::new(&served_model_name)?);
     // Bound before any worker starts: a taken port fails the start with nothing to clean up.
@@ -70,6 +75,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
             default_max_new_tokens: config.scheduler.default_max_new_tokens,
             default_stop_strings: config.scheduler.default_stop_strings.clone(),
             default_confidence_threshold: config.scheduler.confidence_threshold,
+            guides,
         }),
         engine: engine.clone(),
         metrics,

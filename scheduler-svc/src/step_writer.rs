@@ -84,6 +84,7 @@ impl StepWriter {
             sampling[i] = sampling_row(seq);
         }
         write_logit_biases(buffer, plan, running, eos_token_ids);
+        write_token_masks(buffer, plan, running, eos_token_ids);
         write_penalty_histories(buffer, plan, running);
         write_prompt_targets(buffer, plan, running);
         self.write_block_tables(buffer, plan, running);
@@ -161,11 +162,12 @@ fn write_logit_biases(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Seque
         let eos = eos_token_ids.iter().filter(move |_| !stopping.ignore_eos);
         let bans = stopping.stop_token_ids.iter().chain(eos).take(MAX_BANNED_TOKENS);
         let bans_everything = short
-            && sampling.allowed_only
-            && sampling
-                .logit_bias
-                .iter()
-                .all(|(token, _)| bans.clone().any(|banned| banned == token));
+            && (sampling.allowed_only
+                && sampling
+                    .logit_bias
+                    .iter()
+                    .all(|(token, _)| bans.clone().any(|banned| banned == token))
+                || seq.guide.as_ref().is_some_and(|guide| !guide.mask().continues));
         let bans = bans
             .filter(move |_| short && !bans_everything)
             .map(|&token| (token, f32::NEG_INFINITY));
@@ -187,6 +189,44 @@ fn write_logit_biases(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Seque
             *slot = value;
         }
     }
+}
+
+/// For sampled sequences with a structured output, the tokens their guide allows where their
+/// output is, and the tokens that end it (the model's EOS and the request's stop token ids)
+/// where the output is whole — or where nothing else is allowed, so that a row never allows
+/// nothing (a guide that no token can continue ends there). A row that would still allow
+/// nothing (no end token at all) goes unmasked rather than failing the step.
+fn write_token_masks(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Sequence], eos_token_ids: &[u32]) {
+    let layout = *buffer.layout();
+    let words = layout.capacity.token_mask_words as usize;
+    let mut used = Vec::with_capacity(plan.seqs.len());
+    let masks = buffer.array_mut(layout.token_masks);
+    for (row, s) in masks.chunks_exact_mut(words.max(1)).zip(&plan.seqs) {
+        let seq = &running[s.running_index];
+        let Some(mask) = seq
+            .guide
+            .as_ref()
+            .filter(|_| s.sample && words > 0)
+            .map(|guide| guide.mask())
+        else {
+            used.push(0);
+            continue;
+        };
+        for (slot, word) in row.iter_mut().zip(mask.tokens.iter().chain(std::iter::repeat(&0))) {
+            *slot = *word as i64;
+        }
+        if mask.complete || !mask.continues {
+            let ends = eos_token_ids.iter().chain(&seq.request.stopping.stop_token_ids);
+            for &token in ends {
+                if let Some(word) = row.get_mut(token as usize / 64) {
+                    *word |= 1 << (token % 64);
+                }
+            }
+        }
+        used.push(i64::from(row.iter().any(|&word| word != 0)));
+    }
+    used.resize(plan.seqs.len(), 0);
+    buffer.array_mut(layout.token_mask_used)[..used.len()].copy_from_slice(&used);
 }
 
 /// For sequences whose prompt is scored ([`Sequence::scores_prompt`]), how many alternatives
@@ -293,6 +333,7 @@ mod tests {
             max_seqs,
             max_blocks_per_seq,
             max_history_tokens: 16,
+            token_mask_words: 2,
         };
         StepBuffer::create(capacity).expect("create")
     }
@@ -381,6 +422,57 @@ mod tests {
         let mut plan = one_token_each(1);
         plan.seqs[0].sample = false;
         writer.write(&mut buffer, 2, &plan, &running, 16, &eos);
+        assert_eq!(bias_rows(&buffer, 1), vec![Vec::new()]);
+    }
+
+    #[test]
+    fn a_guided_row_allows_what_its_guide_allows_and_its_ends_once_whole() {
+        use std::sync::Arc;
+
+        use crate::guide::{GuideCursor, GuideRequest, GuideSpec, GuideVocabulary, Guides};
+
+        // Token i is the byte i for printable ASCII; the rest (EOS 2 among them) are special.
+        let bytes: Vec<[u8; 1]> = (0..128u8).map(|b| [b]).collect();
+        let piece = |id: u32| -> &[u8] {
+            if (32..127).contains(&id) {
+                &bytes[id as usize]
+            } else {
+                &[]
+            }
+        };
+        let vocabulary = GuideVocabulary::new(128, piece, 128);
+        let request = GuideRequest {
+            spec: GuideSpec::Regex("ab".into()),
+            whitespace: None,
+        };
+        let guide = Guides::new(vocabulary).compile(&request).expect("compiles");
+        let mut guided = resident(1, 3, vec![1]);
+        guided.guide = Some(GuideCursor::new(Arc::clone(&guide)));
+        guided.request.stopping.stop_token_ids = vec![7];
+        guided.request.stopping.min_new_tokens = 5;
+        let running = vec![guided, resident(2, 3, vec![2])];
+        let mut buffer = buffer(2, 2);
+        let layout = *buffer.layout();
+        let mut writer = StepWriter::default();
+        let bits = |words: &[i64]| -> Vec<usize> {
+            (0..128)
+                .filter(|&t| (words[t / 64] as u64) >> (t % 64) & 1 == 1)
+                .collect()
+        };
+        writer.write(&mut buffer, 1, &one_token_each(2), &running, 16, &[2]);
+        assert_eq!(&buffer.array(layout.token_mask_used)[..2], &[1, 0]);
+        assert_eq!(bits(&buffer.array(layout.token_masks)[..2]), [usize::from(b'a')]);
+        // Short of min_new_tokens while more may follow: its stopping tokens are banned too.
+        assert_eq!(
+            bias_rows(&buffer, 1),
+            vec![vec![(7, f32::NEG_INFINITY), (2, f32::NEG_INFINITY)]]
+        );
+
+        let mut running = running;
+        running[0].guide.as_mut().expect("guided").advance(b"ab");
+        writer.write(&mut buffer, 2, &one_token_each(2), &running, 16, &[2]);
+        // Whole, with nothing more allowed: only its ends, and no ban that would forbid them.
+        assert_eq!(bits(&buffer.array(layout.token_masks)[..2]), [2, 7]);
         assert_eq!(bias_rows(&buffer, 1), vec![Vec::new()]);
     }
 

@@ -278,6 +278,7 @@ impl WorkerClient {
             max_blocks_per_seq: ready.max_model_len.div_ceil(ready.block_size),
             // Room for every sequence of a step to send a full-context penalty history.
             max_history_tokens: launch.max_num_seqs.saturating_mul(ready.max_model_len),
+            token_mask_words: ready.model.vocab_size.div_ceil(64),
         };
         let buffer = match StepBuffer::create(capacity) {
             Ok(buffer) => buffer,

@@ -13,6 +13,11 @@ Reads a JSON request on stdin and writes a JSON answer on stdout:
       -> {"output_ids": [...], "logprobs": [...]}: greedy over the logits as transformers' own
       processors change them (the bias, then the repetition penalty: vLLM's order), every token
       not allowed masked first; each logprob the raw model's, as vLLM reports it
+  {"task": "guided_greedy", "cases": [{"prompt_ids": [...], "pattern": "..."}], "max_new_tokens": N}
+      -> {"results": [[...], ...], "eos_token_id": N}: for each case, greedy where each step may choose only the
+      tokens whose bytes keep the text a possible match of `pattern` (the `regex` package's
+      partial full match, nothing shared with Rivulet's automaton), and EOS only where the text
+      matches whole; ends at EOS (not among the ids) or after N tokens
   {"task": "dequantize", "tensors": [...], "out_dir": "..."}
       -> {"tensors": [{"name", "type", "shape", "path"}]}; each path holds little-endian f32 values,
       dequantized by the `gguf` package's own dequantizer.
@@ -166,6 +171,56 @@ def processed_greedy(model_path, prompt_ids, max_new_tokens, logit_bias, allowed
     return {"output_ids": output_ids, "logprobs": logprobs}
 
 
+def guided_greedy(model_path, cases, max_new_tokens):
+    import regex
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    tokenizer = load_tokenizer(model_path)
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    pieces = {}
+    for token, token_id in tokenizer.get_vocab().items():
+        if token_id not in special:
+            pieces[token_id] = bytes(byte_of[char] for char in token)
+    eos = tokenizer.eos_token_id
+    model = load_model(model_path)
+    results = [
+        guided_case(model, pieces, eos, case["prompt_ids"], regex.compile(case["pattern"]), max_new_tokens)
+        for case in cases
+    ]
+    return {"results": results, "eos_token_id": eos}
+
+
+def guided_case(model, pieces, eos, prompt_ids, compiled, max_new_tokens):
+    import torch
+
+    def possible(text_bytes):
+        try:
+            text = text_bytes.decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return compiled.fullmatch(text, partial=True) is not None
+
+    output_ids, text = [], b""
+    with torch.no_grad():
+        out = model(torch.tensor([list(prompt_ids)]), use_cache=True)
+        while len(output_ids) < max_new_tokens:
+            if output_ids:
+                out = model(torch.tensor([[output_ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            logits = out.logits[0, -1].float()
+            allowed = [token_id for token_id, piece in pieces.items() if possible(text + piece)]
+            if compiled.fullmatch(text.decode("utf-8")) is not None:
+                allowed.append(eos)
+            scores = torch.full_like(logits, -math.inf)
+            scores[allowed] = logits[allowed]
+            token = int(scores.argmax())
+            if token == eos:
+                break
+            output_ids.append(token)
+            text += pieces[token]
+    return output_ids
+
+
 def chat_prompt_ids(model_path, messages, add_generation_prompt, continue_final_message):
     tokenizer = load_tokenizer(model_path)
     text = tokenizer.apply_chat_template(
@@ -317,6 +372,8 @@ def main():
             request.get("allowed_token_ids"),
             request.get("repetition_penalty", 1.0),
         )
+    elif task == "guided_greedy":
+        answer = guided_greedy(model_path, request["cases"], request["max_new_tokens"])
     elif task == "dequantize_raw":
         answer = dequantize_raw(request["type"], request["path"], request["out"])
     elif task == "save_hf_folder":

@@ -330,6 +330,60 @@ check(scored_prompt[0] == scored_prompt[1], f"both choices score the prompt alik
 check(all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(scored_prompt[0][1:], echoed.token_logprobs[1:])), "as alone")
 print("echo and prompt_logprobs: the prompt repeated and scored, alike on every path")
 
+# --- structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* extras
+ask = lambda question: [{"role": "user", "content": question}]
+schema = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer"}, "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3}},
+    "required": ["name", "age", "pets"],
+}
+person = client.chat.completions.create(
+    model=model, messages=ask("Describe a person as JSON."), temperature=0.0, max_tokens=120,
+    response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}},
+).choices[0]
+value = json.loads(person.message.content)
+check(list(value) == ["name", "age", "pets"] and isinstance(value["age"], int), f"the schema's object: {value}")
+check(len(value["name"]) <= 30 and all(pet in ("cat", "dog", "fish") for pet in value["pets"]), f"{value}")
+check(person.finish_reason == "stop", f"ends where the object does: {person}")
+any_object = client.chat.completions.create(
+    model=model, messages=ask("Give me a JSON object about the weather."), temperature=0.0, max_tokens=120,
+    response_format={"type": "json_object"},
+).choices[0]
+check(isinstance(json.loads(any_object.message.content), dict), f"an object: {any_object.message.content!r}")
+choices = ["positive", "negative", "neutral"]
+sentiment = client.chat.completions.create(
+    model=model, messages=ask("Is 'I love this film' positive or negative?"), temperature=0.0, max_tokens=10,
+    extra_body={"guided_choice": choices},
+).choices[0].message.content
+check(sentiment in choices, f"one of the choices: {sentiment!r}")
+streamed = "".join(
+    chunk.choices[0].delta.content or ""
+    for chunk in client.chat.completions.create(
+        model=model, messages=ask("Is 'I love this film' positive or negative?"), temperature=0.0, max_tokens=10,
+        stream=True, extra_body={"structured_outputs": {"choice": choices}},
+    )
+    if chunk.choices
+)
+check(streamed == sentiment, f"streamed as whole: {streamed!r} vs {sentiment!r}")
+phone = client.completions.create(
+    model=model, prompt="Call me at ", temperature=0.0, max_tokens=12, n=2, seed=7,
+    extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}},
+)
+for c in phone.choices:
+    check(len(c.text) == 8 and c.text[3] == "-" and (c.text[:3] + c.text[4:]).isdigit(), f"a number: {c.text!r}")
+for body, param in [
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+    ({"guided_regex": "[a-z]+", "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_json": {"type": "no-such-type"}}, "guided_json"),
+]:
+    try:
+        client.completions.create(model=model, prompt=prompt, max_tokens=4, extra_body=body)
+        check(False, f"refused: {body}")
+    except openai.BadRequestError as error:
+        check(error.body["param"] == param, f"{body}: {error.body}")
+print("structured outputs: a schema, any object, choices (whole and streamed), a regex; bad ones refused")
+
 # --- errors in OpenAI's shape
 try:
     client.completions.create(model=model, prompt=prompt, temperature=-1)
@@ -349,10 +403,10 @@ except openai.BadRequestError as error:
     check(error.body["param"] == "max_completion_tokens", f"{error.body}")
     check(error.body["message"].startswith("max_completion_tokens:"), f"{error.body}")
 try:
-    client.completions.create(model=model, prompt=prompt, extra_body={"guided_json": {}})
+    client.completions.create(model=model, prompt=prompt, extra_body={"logits_processors": []})
     check(False, "an unknown parameter is refused")
 except openai.BadRequestError as error:
-    check("guided_json" in error.message, error.message)
+    check("logits_processors" in error.message, error.message)
 try:
     client.completions.create(model="no-such-model", prompt=prompt)
     check(False, "an unknown model is refused")

@@ -20,6 +20,7 @@ use tch::Tensor;
 
 use crate::error::WorkerError;
 use crate::sampler::Sampled;
+use crate::step::token_allowed;
 
 /// One sampled row's parameters and penalty history (prompt tokens first, then generated).
 #[derive(Debug, Clone, Copy)]
@@ -34,14 +35,22 @@ pub struct RowRequest<'a> {
 
 /// A row's logit-bias entries: `values[i]` (finite, or −∞ for a token the row may not choose)
 /// added to the logit of `tokens[i]`, repeated tokens adding up; with
-/// [`SeqSampling::allowed_only`], every token not listed is excluded.
+/// [`SeqSampling::allowed_only`], every token not listed is excluded; with a token mask (a
+/// structured output's), every token whose bit is clear.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LogitBiasRow<'a> {
     pub tokens: &'a [i64],
     pub values: &'a [f32],
+    /// The row of `token_masks`, where the sequence has one.
+    pub mask: Option<&'a [i64]>,
 }
 
 impl LogitBiasRow<'_> {
+    /// Whether it changes the row at all.
+    pub fn changes_row(&self, allowed_only: bool) -> bool {
+        !self.tokens.is_empty() || allowed_only || self.mask.is_some()
+    }
+
     /// `row` changed by these entries, into `adjusted`.
     pub fn apply(&self, row: &[f32], allowed_only: bool, adjusted: &mut Vec<f32>) {
         adjusted.clear();
@@ -58,6 +67,13 @@ impl LogitBiasRow<'_> {
         for (&token, &value) in self.tokens.iter().zip(self.values) {
             if let Some(logit) = usize::try_from(token).ok().and_then(|t| adjusted.get_mut(t)) {
                 *logit += value;
+            }
+        }
+        if let Some(mask) = self.mask {
+            for (token, logit) in adjusted.iter_mut().enumerate() {
+                if !token_allowed(mask, token) {
+                    *logit = f32::NEG_INFINITY;
+                }
             }
         }
     }
@@ -126,7 +142,7 @@ fn choose(row: &[f32], request: &RowRequest<'_>) -> RowChoice {
     };
     let penalized = !request.history.is_empty() && !penalties.is_neutral();
     let allowed_only = params.allowed_only != 0;
-    let biased = !request.bias.tokens.is_empty() || allowed_only;
+    let biased = request.bias.changes_row(allowed_only);
     let token = if !penalized && !biased && params.temperature <= 0.0 {
         summary.argmax
     } else {
@@ -210,13 +226,8 @@ mod tests {
             tokens: Tensor::from_slice(&tokens).to_device(device),
             generated: Tensor::from_slice(&generated).to_device(device),
         });
-        let bias = LogitBias::from_rows(
-            requests
-                .iter()
-                .map(|r| (r.bias.tokens, r.bias.values, r.params.allowed_only != 0)),
-            device,
-        )
-        .expect("bias");
+        let bias =
+            LogitBias::from_rows(requests.iter().map(|r| (r.bias, r.params.allowed_only != 0)), device).expect("bias");
         let batch = SamplingBatch::from_rows(&rows, history, bias, device).expect("batch");
         let logits = Tensor::from_slice(logits)
             .view([requests.len() as i64, vocab as i64])
@@ -319,15 +330,31 @@ mod tests {
                     }
                 })
                 .collect();
+            // Rows 3 of every 7 (but the allowed-only ones) hold a structured output's mask: about
+            // an eighth of the tokens.
+            let masks: Vec<Option<Vec<i64>>> = (0..rows)
+                .map(|i| {
+                    (i % 7 == 3 && i % 6 != 5).then(|| {
+                        (0..vocab.div_ceil(64))
+                            .map(|_| (rng.random::<u64>() & rng.random::<u64>() & rng.random::<u64>()) as i64)
+                            .collect()
+                    })
+                })
+                .collect();
             let requests: Vec<RowRequest<'_>> = params
                 .iter()
                 .zip(&histories)
                 .zip(&biases)
-                .map(|((&params, history), (tokens, values))| RowRequest {
+                .zip(&masks)
+                .map(|(((&params, history), (tokens, values)), mask)| RowRequest {
                     params,
                     history,
                     prompt_len: history.len() / 2,
-                    bias: LogitBiasRow { tokens, values },
+                    bias: LogitBiasRow {
+                        tokens,
+                        values,
+                        mask: mask.as_deref(),
+                    },
                 })
                 .collect();
             let ours = sample_rows(&logits, vocab, &requests, 3);
@@ -335,6 +362,9 @@ mod tests {
                 let entries = || request.bias.tokens.iter().zip(request.bias.values);
                 let banned = entries().any(|(&t, &v)| t == token && v == f32::NEG_INFINITY);
                 assert!(!banned, "a banned token {token} was chosen");
+                if let Some(mask) = request.bias.mask {
+                    assert!(token_allowed(mask, token as usize), "a masked token {token} was chosen");
+                }
                 if request.params.allowed_only != 0 {
                     assert!(
                         request.bias.tokens.contains(&token),

@@ -19,6 +19,8 @@ use rivulet_kernels::sampling::{race_key, FMIX32_MUL1, FMIX32_MUL2, RACE_TOKEN_M
 use tch::kind::Element;
 use tch::{Device, Kind, Tensor};
 
+use crate::kernel_sampling::LogitBiasRow;
+
 /// Penalty histories: which tokens each row has seen.
 pub struct PenaltyHistory {
     /// `[H]` i64: the row each history token belongs to.
@@ -41,28 +43,48 @@ pub struct LogitBias {
     pub values: Tensor,
     /// `[R]` i64: rows whose unlisted tokens are excluded; `None` if there are none.
     pub allowed_only_rows: Option<Tensor>,
+    /// Rows with a structured output's token mask: `[M]` i64 rows, and `[M, 64 × words]` bool,
+    /// true where a token may be chosen; `None` if no row has one.
+    pub masks: Option<(Tensor, Tensor)>,
 }
 
 impl LogitBias {
     /// From each row's entries and whether it allows only them, in row order, on `device`;
     /// `None` if no row has any.
     pub fn from_rows<'a>(
-        rows: impl IntoIterator<Item = (&'a [i64], &'a [f32], bool)>,
+        rows: impl IntoIterator<Item = (LogitBiasRow<'a>, bool)>,
         device: Device,
     ) -> Result<Option<Self>, tch::TchError> {
         let (mut entry_rows, mut tokens, mut values, mut allowed_only) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for (row, (row_tokens, row_values, only)) in rows.into_iter().enumerate() {
-            entry_rows.extend(std::iter::repeat_n(row as i64, row_tokens.len()));
-            tokens.extend_from_slice(row_tokens);
-            values.extend_from_slice(row_values);
+        let (mut mask_rows, mut mask_bits, mut mask_words) = (Vec::new(), Vec::new(), 0);
+        for (row, (bias, only)) in rows.into_iter().enumerate() {
+            entry_rows.extend(std::iter::repeat_n(row as i64, bias.tokens.len()));
+            tokens.extend_from_slice(bias.tokens);
+            values.extend_from_slice(bias.values);
             if only {
                 allowed_only.push(row as i64);
             }
+            if let Some(mask) = bias.mask {
+                mask_rows.push(row as i64);
+                mask_words = mask.len();
+                mask_bits.extend(
+                    mask.iter()
+                        .flat_map(|&word| (0..64).map(move |bit| (word as u64) >> bit & 1 == 1)),
+                );
+            }
         }
-        if tokens.is_empty() && allowed_only.is_empty() {
+        if tokens.is_empty() && allowed_only.is_empty() && mask_rows.is_empty() {
             return Ok(None);
         }
+        let masks = if mask_rows.is_empty() {
+            None
+        } else {
+            let bits = Tensor::f_from_slice(&mask_bits)?
+                .f_view([mask_rows.len() as i64, 64 * mask_words as i64])?
+                .f_to_device(device)?;
+            Some((Tensor::f_from_slice(&mask_rows)?.f_to_device(device)?, bits))
+        };
         let on_device = |values: &[i64]| Tensor::f_from_slice(values)?.f_to_device(device);
         Ok(Some(Self {
             rows: on_device(&entry_rows)?,
@@ -73,6 +95,7 @@ impl LogitBias {
             } else {
                 Some(on_device(&allowed_only)?)
             },
+            masks,
         }))
     }
 
@@ -91,7 +114,17 @@ impl LogitBias {
             }
             None => logits.shallow_clone(),
         };
-        logits.index_put(&[Some(&self.rows), Some(&self.tokens)], &self.values, true)
+        let logits = logits.index_put(&[Some(&self.rows), Some(&self.tokens)], &self.values, true);
+        match &self.masks {
+            Some((rows, allowed)) => {
+                let vocab = logits.size()[1];
+                let masked = logits
+                    .index_select(0, rows)
+                    .masked_fill(&allowed.narrow(1, 0, vocab).logical_not(), f64::NEG_INFINITY);
+                logits.index_put(&[Some(rows)], &masked, false)
+            }
+            None => logits,
+        }
     }
 }
 

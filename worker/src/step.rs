@@ -152,6 +152,8 @@ pub fn validate(buffer: &StepBuffer, header: &StepHeader, limits: StepLimits) ->
         }
     }
 
+    check_token_masks(buffer, &host.sampled_seqs, limits.vocab_size)?;
+
     let history_start = &buffer.array(layout.history_start)[..=seqs];
     let history_prompt = &buffer.array(layout.history_prompt_len)[..seqs];
     let capacity = layout.capacity.max_history_tokens as i64;
@@ -210,6 +212,47 @@ fn prompt_rows(buffer: &StepBuffer, query_start: &[i64], vocab_size: i64) -> Res
         }
     }
     Ok(rows)
+}
+
+/// Each sampled sequence's token mask, where it has one: the flag 0 or 1, and some token of the
+/// vocabulary allowed (a row wide enough for the vocabulary), or nothing would be left to choose.
+fn check_token_masks(buffer: &StepBuffer, sampled_seqs: &[i64], vocab_size: i64) -> Result<(), WorkerError> {
+    let used = buffer.array(buffer.layout().token_mask_used);
+    for &seq in sampled_seqs {
+        match used[seq as usize] {
+            0 => {}
+            1 => {
+                let row = token_mask_row(buffer, seq as usize).unwrap_or_default();
+                if (row.len() as i64) * 64 < vocab_size {
+                    return invalid(format!(
+                        "sequence {seq}: a token mask of {} words for a vocabulary of {vocab_size}",
+                        row.len()
+                    ));
+                }
+                if !(0..vocab_size as usize).any(|token| token_allowed(row, token)) {
+                    return invalid(format!("sequence {seq}: its token mask allows no token"));
+                }
+            }
+            bad => return invalid(format!("sequence {seq}: token_mask_used is {bad}")),
+        }
+    }
+    Ok(())
+}
+
+/// Sequence `seq`'s row of `token_masks` if its flag says it has one.
+fn token_mask_row(buffer: &StepBuffer, seq: usize) -> Option<&[i64]> {
+    let layout = buffer.layout();
+    if buffer.array(layout.token_mask_used)[seq] != 1 {
+        return None;
+    }
+    let words = layout.capacity.token_mask_words as usize;
+    Some(&buffer.array(layout.token_masks)[seq * words..(seq + 1) * words])
+}
+
+/// Whether `mask` (a row of `token_masks`) allows `token`.
+pub fn token_allowed(mask: &[i64], token: usize) -> bool {
+    mask.get(token / 64)
+        .is_some_and(|word| (*word as u64) >> (token % 64) & 1 == 1)
 }
 
 /// The ranges the scheduler's validation gives a sampled row's parameters (both samplers assume
@@ -280,6 +323,7 @@ fn bias_row(buffer: &StepBuffer, seq: usize) -> LogitBiasRow<'_> {
     LogitBiasRow {
         tokens: &buffer.array(layout.logit_bias_tokens)[entries.clone()],
         values: &buffer.array(layout.logit_bias_values)[entries],
+        mask: token_mask_row(buffer, seq),
     }
 }
 
@@ -316,10 +360,10 @@ pub fn sampling_batch(
         })
     };
     let bias = LogitBias::from_rows(
-        host.sampled_seqs.iter().zip(&rows).map(|(&seq, params)| {
-            let row = bias_row(buffer, seq as usize);
-            (row.tokens, row.values, params.allowed_only != 0)
-        }),
+        host.sampled_seqs
+            .iter()
+            .zip(&rows)
+            .map(|(&seq, params)| (bias_row(buffer, seq as usize), params.allowed_only != 0)),
         device,
     )?;
     Ok(SamplingBatch::from_rows(&rows, history, bias, device)?)

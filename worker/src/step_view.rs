@@ -100,6 +100,7 @@ mod tests {
             max_seqs: 4,
             max_blocks_per_seq: 8,
             max_history_tokens: 32,
+            token_mask_words: 2,
         };
         let mut scheduler_side = StepBuffer::create(capacity).expect("create");
         let layout = *scheduler_side.layout();

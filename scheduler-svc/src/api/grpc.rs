@@ -14,6 +14,7 @@ use super::tracking::TrackedRequest;
 use super::validation::{chat_ending, Field, Prompt, RequestDraft, SamplingDraft, StoppingDraft, ValidationError};
 use super::{request_id, Frontend, SubmitError, REQUEST_ID_HEADER};
 use crate::chat_template::ChatMessage;
+use crate::guide::{GuideRequest, GuideSpec};
 use crate::request::{
     EngineError, ErrorKind, FinishReason, Priority, PromptTokenLogprob, SequenceEvent, StopCause, TokenLogprob, Usage,
 };
@@ -106,7 +107,8 @@ fn to_draft(id: String, request: proto::GenerateRequest) -> Result<RequestDraft,
             ))
         }
     };
-    let sampling = request.sampling.unwrap_or_default();
+    let mut sampling = request.sampling.unwrap_or_default();
+    let guide = structured_output(sampling.structured_output.take())?;
     let stopping = request.stopping.unwrap_or_default();
     Ok(RequestDraft {
         id,
@@ -126,6 +128,7 @@ fn to_draft(id: String, request: proto::GenerateRequest) -> Result<RequestDraft,
             logit_bias: sampling.logit_bias.into_iter().collect(),
             allowed_token_ids: Some(sampling.allowed_token_ids).filter(|ids| !ids.is_empty()),
             prompt_logprobs: sampling.prompt_logprobs,
+            guide,
         },
         stopping: StoppingDraft {
             max_new_tokens: stopping.max_new_tokens,
@@ -141,6 +144,37 @@ fn to_draft(id: String, request: proto::GenerateRequest) -> Result<RequestDraft,
         },
         priority,
     })
+}
+
+/// `sampling.structured_output` as the domain's request; set without a kind is an error.
+fn structured_output(
+    output: Option<proto::StructuredOutput>,
+) -> Result<Option<(GuideRequest, &'static str)>, ValidationError> {
+    use proto::structured_output::Kind;
+    let Some(output) = output else {
+        return Ok(None);
+    };
+    let field = Field::StructuredOutput("sampling.structured_output");
+    let spec = match output.kind {
+        Some(Kind::JsonSchema(text)) => GuideSpec::JsonSchema(
+            serde_json::from_str(&text)
+                .map_err(|e| ValidationError::invalid(field, format!("json_schema is not JSON: {e}")))?,
+        ),
+        Some(Kind::JsonObject(true)) => GuideSpec::JsonObject,
+        Some(Kind::Regex(regex)) => GuideSpec::Regex(regex),
+        Some(Kind::Choice(choices)) => GuideSpec::Choice(choices.choices),
+        Some(Kind::JsonObject(false)) | None => {
+            return Err(ValidationError::invalid(
+                field,
+                "set one of json_schema, json_object, regex and choice",
+            ))
+        }
+    };
+    let request = GuideRequest {
+        spec,
+        whitespace: output.whitespace_pattern,
+    };
+    Ok(Some((request, "sampling.structured_output")))
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<proto::GenerateStreamResponse, Status>> + Send>>;

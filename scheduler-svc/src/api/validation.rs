@@ -12,6 +12,7 @@ use rivulet_ipc::layout::{MAX_REQUEST_LOGIT_BIAS, MAX_TOP_LOGPROBS};
 use thiserror::Error;
 
 use crate::chat_template::{ChatEnding, ChatMessage};
+use crate::guide::{Guide, GuideError, GuideRequest, Guides};
 use crate::model_limits::ModelLimits;
 use crate::request::{GenerationRequest, Priority, SamplingParams, StoppingParams};
 use crate::tokenizer::ModelTokenizer;
@@ -81,6 +82,8 @@ pub struct SamplingDraft {
     pub allowed_token_ids: Option<Vec<u32>>,
     /// Alternatives per prompt token for vLLM's prompt logprobs; `None`: no prompt logprobs.
     pub prompt_logprobs: Option<u32>,
+    /// A structured output, and the parameter that asked for it (named in its errors).
+    pub guide: Option<(GuideRequest, &'static str)>,
 }
 
 /// Stopping criteria as given; `None` takes the server's default.
@@ -142,6 +145,9 @@ pub enum Field {
     Priority,
     AddGenerationPrompt,
     ContinueFinalMessage,
+    /// A structured output, under the name of the parameter the client gave it by (HTTP has
+    /// several: `response_format`, vLLM's `guided_json`, `structured_outputs`, …).
+    StructuredOutput(&'static str),
 }
 
 impl Field {
@@ -172,6 +178,7 @@ impl Field {
             Field::Priority => "priority",
             Field::AddGenerationPrompt => "add_generation_prompt",
             Field::ContinueFinalMessage => "continue_final_message",
+            Field::StructuredOutput(_) => "sampling.structured_output",
         }
     }
 }
@@ -205,11 +212,13 @@ pub struct Validator {
     pub default_stop_strings: Vec<String>,
     /// `scheduler.confidence_threshold`, for requests that set none.
     pub default_confidence_threshold: Option<f32>,
+    /// Structured outputs' compiler, where the tokenizer allows them (byte-level BPE).
+    pub guides: Option<Arc<Guides>>,
 }
 
 impl Validator {
     /// Applies defaults and limits and tokenizes the prompt.
-    pub fn validate(&self, draft: RequestDraft) -> Result<GenerationRequest, ValidationError> {
+    pub fn validate(&self, mut draft: RequestDraft) -> Result<GenerationRequest, ValidationError> {
         self.check_model(draft.model)?;
         let (prompt_field, prompt_ids) = self.prompt_ids(draft.prompt)?;
         let max_model_len = self.limits.max_model_len as usize;
@@ -224,7 +233,11 @@ impl Validator {
                 ),
             ));
         }
-        let sampling = sampling_params(draft.sampling, self.limits.vocab_size)?;
+        let guide = draft.sampling.guide.take();
+        let mut sampling = sampling_params(draft.sampling, self.limits.vocab_size)?;
+        if let Some((request, param)) = guide {
+            sampling.guide = Some(self.compile_guide(&request, param, &sampling)?);
+        }
         let stopping = self.stopping_params(draft.stopping, prompt_ids.len())?;
         Ok(GenerationRequest {
             id: draft.id,
@@ -233,6 +246,30 @@ impl Validator {
             stopping,
             priority: draft.priority,
         })
+    }
+
+    /// A structured output compiled against the vocabulary (or an earlier request's).
+    fn compile_guide(
+        &self,
+        request: &GuideRequest,
+        param: &'static str,
+        sampling: &SamplingParams,
+    ) -> Result<Arc<Guide>, ValidationError> {
+        let field = Field::StructuredOutput(param);
+        if sampling.allowed_only {
+            // Both limits at once could leave no token to choose.
+            return Err(ValidationError::invalid(
+                field,
+                "cannot be combined with allowed_token_ids",
+            ));
+        }
+        let guides = self
+            .guides
+            .as_ref()
+            .ok_or_else(|| ValidationError::invalid(field, GuideError::Unsupported.to_string()))?;
+        guides
+            .compile(request)
+            .map_err(|error| ValidationError::invalid(field, error.to_string()))
     }
 
     /// The model a request names, if any, must be the one served.
@@ -552,6 +589,7 @@ pub fn sampling_params(sampling: SamplingDraft, vocab: u32) -> Result<SamplingPa
         logit_bias,
         allowed_only,
         prompt_logprobs: sampling.prompt_logprobs,
+        guide: None,
     })
 }
 

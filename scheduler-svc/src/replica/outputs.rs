@@ -53,6 +53,9 @@ pub fn apply_outputs(
         }
         let token = sampled[slot] as u32;
         seq.tokens.push(token);
+        if let (Some(cursor), Some(pieces)) = (&mut seq.guide, context.tokenizer.byte_pieces()) {
+            cursor.advance(pieces.get(token));
+        }
         generated += 1;
         let logprobs = read_logprobs(buffer, slot, token, &seq.request.sampling);
         if seq.request.sampling.prompt_logprobs.is_some() && seq.num_generated() == 1 {

@@ -12,6 +12,7 @@ pub mod generate;
 mod lax_integer;
 pub mod openai;
 pub mod prompt_echo;
+pub mod structured_output;
 pub mod tokenize;
 pub mod translate;
 

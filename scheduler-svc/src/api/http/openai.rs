@@ -183,7 +183,17 @@ pub struct GenerationBody {
     pub functions: Option<serde_json::Value>,
     pub function_call: Option<serde_json::Value>,
     pub parallel_tool_calls: Option<serde_json::Value>,
+    // Structured outputs (`structured_output.rs` reads them): OpenAI's, then vLLM's.
     pub response_format: Option<serde_json::Value>,
+    pub structured_outputs: Option<serde_json::Value>,
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<String>,
+    pub guided_choice: Option<Vec<String>>,
+    pub guided_grammar: Option<String>,
+    pub guided_whitespace_pattern: Option<String>,
+    /// vLLM's choice of library; Rivulet has one, whatever is named.
+    #[allow(dead_code)]
+    pub guided_decoding_backend: Option<String>,
 }
 
 #[derive(Debug, Serialize)]

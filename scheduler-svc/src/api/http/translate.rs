@@ -4,6 +4,7 @@
 use super::errors::ApiError;
 use super::openai::{GenerationBody, InputMessage, LogprobsInput, MessageContent, PriorityInput, PromptInput};
 use super::prompt_echo::PromptEcho;
+use super::structured_output;
 use crate::api::validation::{chat_ending, Field, Prompt, RequestDraft, SamplingDraft, StoppingDraft};
 use crate::chat_template::ChatMessage;
 use crate::request::Priority;
@@ -51,6 +52,7 @@ impl Endpoint {
             Field::Priority => "priority",
             Field::AddGenerationPrompt => "add_generation_prompt",
             Field::ContinueFinalMessage => "continue_final_message",
+            Field::StructuredOutput(param) => param,
         }
     }
 }
@@ -123,11 +125,6 @@ fn refuse_unsupported(body: &GenerationBody) -> Result<(), ApiError> {
     ] {
         if refused {
             return Err(unsupported(param, "tool and function calling"));
-        }
-    }
-    if let Some(format) = &body.response_format {
-        if format.get("type").and_then(|t| t.as_str()) != Some("text") {
-            return Err(unsupported("response_format", "a structured response format"));
         }
     }
     Ok(())
@@ -351,6 +348,7 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
             vec![chat_messages(&mut body)?]
         }
     };
+    let guide = structured_output::from_body(&mut body)?;
     let (logprobs, top_logprobs) = match (endpoint, body.logprobs, body.top_logprobs) {
         (_, None, None) => (false, 0),
         (Endpoint::Completions, Some(LogprobsInput::Count(count)), None) => (true, count),
@@ -404,6 +402,7 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
             logit_bias: logit_bias(body.logit_bias)?,
             allowed_token_ids: body.allowed_token_ids,
             prompt_logprobs: echo.engine_prompt_logprobs(),
+            guide,
         },
         stopping: StoppingDraft {
             max_new_tokens,

@@ -1,0 +1,150 @@
+//! A request's structured output, by whichever parameter its client uses: OpenAI's
+//! `response_format` (`json_object`, `json_schema`), vLLM's `structured_outputs` object, or
+//! vLLM's older `guided_json`, `guided_regex` and `guided_choice`. One kind a request; grammars
+//! (`guided_grammar`, `structured_outputs.grammar`) and structural tags are refused by name.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::errors::ApiError;
+use super::openai::GenerationBody;
+use crate::guide::{GuideRequest, GuideSpec};
+
+/// vLLM's `structured_outputs` (`StructuredOutputsParams`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StructuredOutputs {
+    json: Option<Value>,
+    regex: Option<String>,
+    choice: Option<Vec<String>>,
+    grammar: Option<String>,
+    json_object: Option<bool>,
+    structural_tag: Option<Value>,
+    whitespace_pattern: Option<String>,
+    /// Taken: Rivulet has one backend and never falls back, allows at most one space between a
+    /// JSON output's tokens unless `whitespace_pattern` says otherwise, and an object holds its
+    /// schema's properties only.
+    #[allow(dead_code)]
+    disable_fallback: Option<bool>,
+    #[allow(dead_code)]
+    disable_any_whitespace: Option<bool>,
+    #[allow(dead_code)]
+    disable_additional_properties: Option<bool>,
+}
+
+fn invalid(param: &'static str, problem: impl std::fmt::Display) -> ApiError {
+    ApiError::bad_request(param, format!("{param}: {problem}"))
+}
+
+/// A JSON schema given as an object, or as a string holding one (vLLM takes both).
+fn schema(param: &'static str, value: Value) -> Result<GuideSpec, ApiError> {
+    let schema = match value {
+        Value::String(text) => {
+            serde_json::from_str(&text).map_err(|e| invalid(param, format!("not a JSON schema: {e}")))?
+        }
+        Value::Object(_) | Value::Bool(_) => value,
+        other => return Err(invalid(param, format!("a JSON schema is an object, not {other}"))),
+    };
+    Ok(GuideSpec::JsonSchema(schema))
+}
+
+/// OpenAI's `response_format`: `text` (no structure), `json_object` or `json_schema`.
+fn response_format(format: Value) -> Result<Option<GuideSpec>, ApiError> {
+    const PARAM: &str = "response_format";
+    let kind = format.get("type").and_then(Value::as_str).map(str::to_owned);
+    match kind.as_deref() {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(GuideSpec::JsonObject)),
+        Some("json_schema") => {
+            let inner = format
+                .get("json_schema")
+                .ok_or_else(|| invalid(PARAM, "type json_schema needs its \"json_schema\" object"))?;
+            // OpenAI's field is `schema`; vLLM also reads it as `json_schema`.
+            let schema_value = inner
+                .get("schema")
+                .or_else(|| inner.get("json_schema"))
+                .cloned()
+                .ok_or_else(|| invalid(PARAM, "json_schema needs its \"schema\""))?;
+            schema(PARAM, schema_value).map(Some)
+        }
+        Some("structural_tag") => Err(invalid(PARAM, "structural tags are not supported")),
+        _ => Err(invalid(PARAM, "type must be text, json_object or json_schema")),
+    }
+}
+
+/// vLLM's `structured_outputs` object: exactly one of its kinds.
+fn structured_outputs(value: Value) -> Result<(Option<GuideSpec>, Option<String>), ApiError> {
+    const PARAM: &str = "structured_outputs";
+    let outputs: StructuredOutputs = serde_json::from_value(value).map_err(|e| invalid(PARAM, e))?;
+    if outputs.grammar.is_some() {
+        return Err(invalid(
+            PARAM,
+            "grammar is not supported (a JSON schema, regex or choice is)",
+        ));
+    }
+    if outputs.structural_tag.is_some() {
+        return Err(invalid(PARAM, "structural_tag is not supported"));
+    }
+    let mut kinds = Vec::new();
+    if let Some(json) = outputs.json {
+        kinds.push(schema(PARAM, json)?);
+    }
+    if let Some(regex) = outputs.regex {
+        kinds.push(GuideSpec::Regex(regex));
+    }
+    if let Some(choice) = outputs.choice {
+        kinds.push(GuideSpec::Choice(choice));
+    }
+    if outputs.json_object == Some(true) {
+        kinds.push(GuideSpec::JsonObject);
+    }
+    if kinds.len() > 1 {
+        return Err(invalid(PARAM, "give one of json, regex, choice and json_object"));
+    }
+    Ok((kinds.pop(), outputs.whitespace_pattern))
+}
+
+/// The structured output `body` asks for, and the parameter it asked by; `None` for none.
+pub fn from_body(body: &mut GenerationBody) -> Result<Option<(GuideRequest, &'static str)>, ApiError> {
+    if body.guided_grammar.is_some() {
+        return Err(invalid(
+            "guided_grammar",
+            "grammars are not supported (a JSON schema, regex or choice is)",
+        ));
+    }
+    let mut asked: Vec<(GuideSpec, &'static str)> = Vec::new();
+    let mut whitespace = body.guided_whitespace_pattern.take();
+    if let Some(format) = body.response_format.take() {
+        asked.extend(response_format(format)?.map(|spec| (spec, "response_format")));
+    }
+    if let Some(outputs) = body.structured_outputs.take() {
+        let (spec, pattern) = structured_outputs(outputs)?;
+        asked.extend(spec.map(|spec| (spec, "structured_outputs")));
+        whitespace = whitespace.or(pattern);
+    }
+    if let Some(json) = body.guided_json.take() {
+        asked.push((schema("guided_json", json)?, "guided_json"));
+    }
+    if let Some(regex) = body.guided_regex.take() {
+        asked.push((GuideSpec::Regex(regex), "guided_regex"));
+    }
+    if let Some(choice) = body.guided_choice.take() {
+        asked.push((GuideSpec::Choice(choice), "guided_choice"));
+    }
+    match asked.len() {
+        0 => Ok(None),
+        1 => Ok(asked
+            .pop()
+            .map(|(spec, param)| (GuideRequest { spec, whitespace }, param))),
+        _ => {
+            let params: Vec<&str> = asked.iter().map(|(_, param)| *param).collect();
+            Err(invalid(
+                asked[1].1,
+                format!(
+                    "one structured output a request; this one asks by {}",
+                    params.join(" and ")
+                ),
+            ))
+        }
+    }
+}

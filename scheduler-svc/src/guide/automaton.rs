@@ -1,0 +1,185 @@
+//! A compiled structured output: a DFA over the output's bytes, and for each state the model's
+//! tokens that keep the text on a path the DFA can still accept (computed the first time a
+//! sequence reaches the state, then shared by every sequence of the same pattern).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use regex_automata::dfa::{dense, Automaton, StartKind};
+use regex_automata::util::primitives::StateID;
+use regex_automata::util::start;
+use regex_automata::{Anchored, MatchKind};
+
+use super::vocabulary::GuideVocabulary;
+use super::GuideError;
+
+/// Bytes of DFA a pattern may build into (and use while determinizing): a JSON schema whose
+/// regex blows up is refused instead of holding the server's memory.
+const DFA_SIZE_LIMIT: usize = 64 << 20;
+
+/// States whose masks a guide keeps (6 KiB each for a 49k vocabulary); past that they are
+/// dropped and recomputed as sequences reach them again.
+const MAX_CACHED_STATES: usize = 4096;
+
+/// What a sequence may choose in one state of its guide.
+#[derive(Debug)]
+pub struct StateMask {
+    /// Bit `id % 64` of word `id / 64`: the vocabulary's tokens allowed.
+    pub tokens: Box<[u64]>,
+    /// Whether any token is allowed (else only an end of the output is).
+    pub continues: bool,
+    /// Whether the text so far is a whole output, which may end here.
+    pub complete: bool,
+}
+
+/// A pattern compiled against the vocabulary.
+pub struct Guide {
+    pattern: String,
+    dfa: dense::DFA<Vec<u32>>,
+    start: StateID,
+    vocabulary: Arc<GuideVocabulary>,
+    masks: Mutex<HashMap<StateID, Arc<StateMask>>>,
+}
+
+impl Guide {
+    /// `pattern` (a regular expression the whole output must match) against `vocabulary`.
+    pub fn compile(pattern: String, vocabulary: Arc<GuideVocabulary>) -> Result<Self, GuideError> {
+        // Anchored at both ends: the output must match whole. Ending the pattern at `\z` also
+        // means a DFA state can be a match state only at the end of the text, so "alive" is
+        // simply "not dead" for every prefix (no delayed matches to tell apart).
+        let anchored = format!("(?:{pattern})\\z");
+        let config = dense::Config::new()
+            .match_kind(MatchKind::All)
+            .start_kind(StartKind::Anchored)
+            .dfa_size_limit(Some(DFA_SIZE_LIMIT))
+            .determinize_size_limit(Some(DFA_SIZE_LIMIT));
+        let dfa = dense::Builder::new()
+            .configure(config)
+            .build(&anchored)
+            .map_err(|error| GuideError::Pattern(with_causes(&error)))?;
+        let start = dfa
+            .start_state(&start::Config::new().anchored(Anchored::Yes))
+            .map_err(|error| GuideError::Pattern(error.to_string()))?;
+        Ok(Self {
+            pattern,
+            dfa,
+            start,
+            vocabulary,
+            masks: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn pattern(&self) -> &str {
+        &self.pattern
+    }
+
+    /// Where every output starts.
+    pub fn start(&self) -> GuideState {
+        GuideState(Some(self.start))
+    }
+
+    /// The state after `bytes` from `state`: `GuideState` of `None` once the text can no
+    /// longer become a match (a token the mask did not allow).
+    pub fn advance(&self, state: GuideState, bytes: &[u8]) -> GuideState {
+        let mut current = match state.0 {
+            Some(current) => current,
+            None => return state,
+        };
+        for &byte in bytes {
+            match self.step(current, byte) {
+                Some(next) => current = next,
+                None => return GuideState(None),
+            }
+        }
+        GuideState(Some(current))
+    }
+
+    /// What may be chosen in `state` (a refused state allows nothing but an end).
+    pub fn mask(&self, state: GuideState) -> Arc<StateMask> {
+        let Some(id) = state.0 else {
+            return Arc::new(StateMask {
+                tokens: vec![0; self.vocabulary.mask_words()].into_boxed_slice(),
+                continues: false,
+                complete: false,
+            });
+        };
+        if let Some(mask) = self.masks.lock().unwrap_or_else(|e| e.into_inner()).get(&id) {
+            return Arc::clone(mask);
+        }
+        // Computed outside the lock: two sequences reaching a new state at once compute it
+        // twice rather than one waiting on the other.
+        let (tokens, continues) = self.vocabulary.allowed(id, |state, byte| self.step(state, byte));
+        let mask = Arc::new(StateMask {
+            tokens,
+            continues,
+            complete: self.dfa.is_match_state(self.dfa.next_eoi_state(id)),
+        });
+        let mut masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
+        if masks.len() >= MAX_CACHED_STATES {
+            masks.clear();
+        }
+        masks.insert(id, Arc::clone(&mask));
+        mask
+    }
+
+    fn step(&self, state: StateID, byte: u8) -> Option<StateID> {
+        let next = self.dfa.next_state(state, byte);
+        (!self.dfa.is_dead_state(next) && !self.dfa.is_quit_state(next)).then_some(next)
+    }
+}
+
+/// `error` and what caused it (regex-automata's own message is only "error building NFA"; the
+/// parse error under it says where the pattern is wrong).
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut cause = error.source();
+    while let Some(inner) = cause {
+        message = format!("{message}: {inner}");
+        cause = inner.source();
+    }
+    message
+}
+
+impl fmt::Debug for Guide {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Guide")
+            .field("pattern", &self.pattern)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Two guides are the same when they hold the same pattern.
+impl PartialEq for Guide {
+    fn eq(&self, other: &Self) -> bool {
+        self.pattern == other.pattern
+    }
+}
+
+/// Where a sequence's output is in its guide's automaton; `None` once a token left every path
+/// to a match (which the masks prevent: only an end may follow then).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GuideState(Option<StateID>);
+
+/// A sequence's guide and its place in it.
+#[derive(Debug, Clone)]
+pub struct GuideCursor {
+    pub guide: Arc<Guide>,
+    pub state: GuideState,
+}
+
+impl GuideCursor {
+    pub fn new(guide: Arc<Guide>) -> Self {
+        let state = guide.start();
+        Self { guide, state }
+    }
+
+    /// Moves past a chosen token of `bytes` (a special token's are empty: the output ends there).
+    pub fn advance(&mut self, bytes: &[u8]) {
+        self.state = self.guide.advance(self.state, bytes);
+    }
+
+    pub fn mask(&self) -> Arc<StateMask> {
+        self.guide.mask(self.state)
+    }
+}

@@ -1,0 +1,119 @@
+//! Structured outputs (vLLM's guided decoding): an output held to a JSON schema, any JSON
+//! object, a regular expression or one of a list of choices. Each becomes a regular expression
+//! (a JSON schema through `outlines-core`'s translation, as vLLM's outlines backend does), then
+//! a DFA over bytes ([`automaton`]); at each step the scheduler sends the worker, for a guided
+//! sequence, the mask of the tokens whose bytes keep the text on a path the DFA accepts, and an
+//! end (EOS or a stop token) only where the text is a whole match. The worker excludes the
+//! others before sampling, so greedy decoding takes the likeliest allowed token; logprobs stay
+//! the model's own.
+//!
+//! Why a DFA walked per state rather than an index built up front (outlines' `Index` walks every
+//! state × every token at compile time): a schema's regex has hundreds of states, and a request
+//! visits a few dozen of them, so masks are computed as sequences reach states and kept per
+//! pattern, shared by every request of the same schema ([`Guides`] keeps compiled patterns).
+
+pub mod automaton;
+pub mod vocabulary;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use thiserror::Error;
+
+pub use automaton::{Guide, GuideCursor, GuideState, StateMask};
+pub use vocabulary::GuideVocabulary;
+
+/// Compiled patterns kept for later requests; past that the cache starts over.
+const MAX_CACHED_GUIDES: usize = 64;
+
+/// Whitespace a JSON output may hold between its tokens unless the request says otherwise
+/// (outlines' default, as vLLM's outlines backend): at most one space, so that a small model
+/// cannot fill its output with newlines.
+pub const DEFAULT_JSON_WHITESPACE: &str = "[ ]?";
+
+/// What an output must be, as a request asked.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GuideSpec {
+    /// Valid for this JSON schema.
+    JsonSchema(serde_json::Value),
+    /// Any JSON object.
+    JsonObject,
+    /// A match of this regular expression, whole.
+    Regex(String),
+    /// Exactly one of these texts.
+    Choice(Vec<String>),
+}
+
+/// A structured output and, for JSON, the whitespace allowed between its tokens (a regular
+/// expression; [`DEFAULT_JSON_WHITESPACE`] when `None`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GuideRequest {
+    pub spec: GuideSpec,
+    pub whitespace: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum GuideError {
+    #[error("{0}")]
+    Schema(String),
+    #[error("{0}")]
+    Pattern(String),
+    #[error("needs at least one choice, and no empty one")]
+    EmptyChoice,
+    #[error("the served model's tokenizer is not byte-level BPE, which structured outputs need")]
+    Unsupported,
+}
+
+/// Compiles structured outputs against the served model's vocabulary, keeping what it compiled.
+pub struct Guides {
+    vocabulary: Arc<GuideVocabulary>,
+    compiled: Mutex<HashMap<String, Arc<Guide>>>,
+}
+
+impl Guides {
+    pub fn new(vocabulary: GuideVocabulary) -> Self {
+        Self {
+            vocabulary: Arc::new(vocabulary),
+            compiled: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The guide for `request`, compiled now or taken from an earlier request's.
+    pub fn compile(&self, request: &GuideRequest) -> Result<Arc<Guide>, GuideError> {
+        let pattern = pattern(request)?;
+        if let Some(guide) = self.compiled.lock().unwrap_or_else(|e| e.into_inner()).get(&pattern) {
+            return Ok(Arc::clone(guide));
+        }
+        let guide = Arc::new(Guide::compile(pattern.clone(), Arc::clone(&self.vocabulary))?);
+        let mut compiled = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
+        if compiled.len() >= MAX_CACHED_GUIDES {
+            compiled.clear();
+        }
+        compiled.insert(pattern, Arc::clone(&guide));
+        Ok(guide)
+    }
+}
+
+/// The regular expression an output of `request` must match whole.
+pub fn pattern(request: &GuideRequest) -> Result<String, GuideError> {
+    let whitespace = request.whitespace.as_deref().unwrap_or(DEFAULT_JSON_WHITESPACE);
+    let from_schema = |schema: &serde_json::Value| {
+        outlines_core::json_schema::regex_from_value(schema, Some(whitespace), None)
+            .map_err(|error| GuideError::Schema(error.to_string()))
+    };
+    match &request.spec {
+        GuideSpec::JsonSchema(schema) => from_schema(schema),
+        GuideSpec::JsonObject => from_schema(&serde_json::json!({"type": "object"})),
+        GuideSpec::Regex(regex) => Ok(regex.clone()),
+        GuideSpec::Choice(choices) => {
+            if choices.is_empty() || choices.iter().any(String::is_empty) {
+                return Err(GuideError::EmptyChoice);
+            }
+            let escaped: Vec<String> = choices.iter().map(|choice| regex_syntax::escape(choice)).collect();
+            Ok(escaped.join("|"))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

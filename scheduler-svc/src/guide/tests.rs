@@ -1,0 +1,156 @@
+use super::*;
+
+/// Every printable ASCII character as a token of its own (ids 0..95), then longer tokens.
+const LONGER: [&str; 9] = ["ab", "abc", "yes", "no", "{\"", "\":", " 1", "12", "yesterday"];
+
+fn tokens() -> Vec<String> {
+    let mut tokens: Vec<String> = (b' '..=b'~').map(|b| char::from(b).to_string()).collect();
+    tokens.extend(LONGER.iter().map(|t| t.to_string()));
+    tokens
+}
+
+fn guides() -> Guides {
+    let tokens = tokens();
+    let vocabulary = GuideVocabulary::new(tokens.len() as u32, |id| tokens[id as usize].as_bytes(), 128);
+    Guides::new(vocabulary)
+}
+
+fn id_of(token: &str) -> u32 {
+    tokens().iter().position(|t| t == token).expect("token") as u32
+}
+
+fn allowed(mask: &StateMask, token: &str) -> bool {
+    let id = id_of(token) as usize;
+    mask.tokens[id / 64] >> (id % 64) & 1 == 1
+}
+
+fn guide(spec: GuideSpec) -> Arc<Guide> {
+    guides()
+        .compile(&GuideRequest { spec, whitespace: None })
+        .expect("compiles")
+}
+
+/// The cursor after writing `text` token by token, as the given tokens.
+fn after(guide: &Arc<Guide>, pieces: &[&str]) -> GuideCursor {
+    let mut cursor = GuideCursor::new(Arc::clone(guide));
+    for piece in pieces {
+        assert!(allowed(&cursor.mask(), piece), "{piece:?} refused after {pieces:?}");
+        cursor.advance(piece.as_bytes());
+    }
+    cursor
+}
+
+#[test]
+fn a_choice_allows_the_prefixes_of_its_texts_and_ends_only_on_a_whole_one() {
+    let guide = guide(GuideSpec::Choice(vec!["yes".into(), "no".into(), "a.b".into()]));
+    let start = GuideCursor::new(Arc::clone(&guide)).mask();
+    for token in ["yes", "no", "y", "n", "a"] {
+        assert!(allowed(&start, token), "{token}");
+    }
+    // Longer than every choice, another text, and the regex meaning of `.` all refused.
+    for token in ["yesterday", "ab", "x", "Y"] {
+        assert!(!allowed(&start, token), "{token}");
+    }
+    assert!(start.continues && !start.complete);
+    let part = after(&guide, &["y", "e"]).mask();
+    assert!(allowed(&part, "s") && !part.complete);
+    let whole = after(&guide, &["yes"]).mask();
+    assert!(whole.complete && !whole.continues, "nothing may follow a whole choice");
+    assert!(!allowed(&after(&guide, &["a"]).mask(), "ab"));
+    assert!(after(&guide, &["a", ".", "b"]).mask().complete);
+}
+
+#[test]
+fn a_token_reaching_past_an_alternatives_end_is_allowed_where_a_longer_one_matches() {
+    // "ab" passes the end of `a` on the way to `abc`: allowed, and not complete until `c`.
+    let guide = guide(GuideSpec::Regex("a|abc".into()));
+    let start = GuideCursor::new(Arc::clone(&guide)).mask();
+    assert!(allowed(&start, "a") && allowed(&start, "ab") && allowed(&start, "abc"));
+    assert!(after(&guide, &["a"]).mask().complete);
+    let mid = after(&guide, &["ab"]).mask();
+    assert!(!mid.complete && allowed(&mid, "c"));
+}
+
+#[test]
+fn a_regex_holds_its_counts_and_classes() {
+    let guide = guide(GuideSpec::Regex("[0-9]{3}".into()));
+    let start = GuideCursor::new(Arc::clone(&guide)).mask();
+    assert!(allowed(&start, "1") && allowed(&start, "12") && !allowed(&start, "a") && !allowed(&start, " 1"));
+    let two = after(&guide, &["12"]).mask();
+    assert!(allowed(&two, "7") && !allowed(&two, "12") && !two.complete);
+    let three = after(&guide, &["12", "7"]).mask();
+    assert!(three.complete && !three.continues);
+}
+
+#[test]
+fn a_json_schema_output_follows_its_properties_in_order() {
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+        "required": ["a", "b"]
+    });
+    let guide = guide(GuideSpec::JsonSchema(schema));
+    let start = GuideCursor::new(Arc::clone(&guide)).mask();
+    assert!(allowed(&start, "{") && allowed(&start, "{\"") && !allowed(&start, "[") && !start.complete);
+    let text = r#"{"a": 12, "b": true}"#;
+    let pieces: Vec<String> = text.chars().map(String::from).collect();
+    let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
+    let done = after(&guide, &pieces).mask();
+    assert!(done.complete && !done.continues);
+    // `b` before `a`, a string for the integer: refused.
+    assert!(!allowed(&after(&guide, &["{\""]).mask(), "b"));
+    assert!(!allowed(&after(&guide, &["{\"", "a", "\":", " "]).mask(), "\""));
+}
+
+#[test]
+fn any_json_object_may_nest_and_ends_at_its_closing_brace() {
+    let guide = guide(GuideSpec::JsonObject);
+    let text = r#"{"k": [1, {"x": null}], "s": "t"}"#;
+    let pieces: Vec<String> = text.chars().map(String::from).collect();
+    let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
+    assert!(after(&guide, &pieces).mask().complete);
+    assert!(
+        !allowed(&GuideCursor::new(guide).mask(), "1"),
+        "an object, not a number"
+    );
+}
+
+#[test]
+fn a_refused_token_leaves_only_an_end() {
+    let guide = guide(GuideSpec::Regex("ab".into()));
+    let mut cursor = GuideCursor::new(guide);
+    cursor.advance(b"x");
+    let mask = cursor.mask();
+    assert!(!mask.continues && !mask.complete && mask.tokens.iter().all(|&word| word == 0));
+}
+
+#[test]
+fn bad_patterns_schemas_and_choices_are_refused() {
+    let guides = guides();
+    let compile = |spec| guides.compile(&GuideRequest { spec, whitespace: None });
+    assert!(matches!(
+        compile(GuideSpec::Regex("a(".into())),
+        Err(GuideError::Pattern(_))
+    ));
+    assert!(matches!(
+        compile(GuideSpec::JsonSchema(serde_json::json!({"type": "no-such-type"}))),
+        Err(GuideError::Schema(_))
+    ));
+    assert_eq!(compile(GuideSpec::Choice(Vec::new())), Err(GuideError::EmptyChoice));
+    assert_eq!(
+        compile(GuideSpec::Choice(vec!["a".into(), String::new()])),
+        Err(GuideError::EmptyChoice)
+    );
+}
+
+#[test]
+fn a_pattern_compiles_once_and_is_shared() {
+    let guides = guides();
+    let request = GuideRequest {
+        spec: GuideSpec::Regex("[a-c]+".into()),
+        whitespace: None,
+    };
+    let first = guides.compile(&request).expect("compiles");
+    let second = guides.compile(&request).expect("compiles");
+    assert!(Arc::ptr_eq(&first, &second));
+}
