@@ -173,33 +173,60 @@ def processed_greedy(model_path, prompt_ids, max_new_tokens, logit_bias, allowed
 
 def guided_greedy(model_path, cases, max_new_tokens):
     import regex
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
     tokenizer = load_tokenizer(model_path)
-    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    # GPT-2's byte-level alphabet (as in its paper's code): printable Latin-1 bytes stand for
+    # themselves, the other 68 for the characters from U+0100 on, in byte order.
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    byte_of = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(shifted)}
     special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
     pieces = {}
+    # The tokens' bytes as a trie (byte -> child; None -> the ids ending there), so that a step
+    # tests each prefix once and skips every token under a prefix that cannot match.
+    trie = {}
     for token, token_id in tokenizer.get_vocab().items():
         if token_id not in special:
             pieces[token_id] = bytes(byte_of[char] for char in token)
+            node = trie
+            for byte in pieces[token_id]:
+                node = node.setdefault(byte, {})
+            node.setdefault(None, []).append(token_id)
     eos = tokenizer.eos_token_id
     model = load_model(model_path)
     results = [
-        guided_case(model, pieces, eos, case["prompt_ids"], regex.compile(case["pattern"]), max_new_tokens)
+        guided_case(model, pieces, trie, eos, case["prompt_ids"], regex.compile(case["pattern"]), max_new_tokens)
         for case in cases
     ]
     return {"results": results, "eos_token_id": eos}
 
 
-def guided_case(model, pieces, eos, prompt_ids, compiled, max_new_tokens):
+def guided_case(model, pieces, trie, eos, prompt_ids, compiled, max_new_tokens):
     import torch
 
     def possible(text_bytes):
+        """True, False, or None while the text ends inside a character."""
         try:
             text = text_bytes.decode("utf-8")
-        except UnicodeDecodeError:
-            return False
+        except UnicodeDecodeError as error:
+            return None if error.reason == "unexpected end of data" else False
         return compiled.fullmatch(text, partial=True) is not None
+
+    def allowed_tokens(text):
+        allowed, stack = [], [(text, trie)]
+        while stack:
+            prefix, node = stack.pop()
+            for byte, child in node.items():
+                if byte is None:
+                    continue
+                extended = prefix + bytes([byte])
+                verdict = possible(extended)
+                if verdict is False:
+                    continue
+                if verdict:
+                    allowed.extend(child.get(None, []))
+                stack.append((extended, child))
+        return allowed
 
     output_ids, text = [], b""
     with torch.no_grad():
@@ -208,7 +235,7 @@ def guided_case(model, pieces, eos, prompt_ids, compiled, max_new_tokens):
             if output_ids:
                 out = model(torch.tensor([[output_ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)
             logits = out.logits[0, -1].float()
-            allowed = [token_id for token_id, piece in pieces.items() if possible(text + piece)]
+            allowed = allowed_tokens(text)
             if compiled.fullmatch(text.decode("utf-8")) is not None:
                 allowed.append(eos)
             scores = torch.full_like(logits, -math.inf)
