@@ -148,3 +148,91 @@ pub fn from_body(body: &mut GenerationBody) -> Result<Option<(GuideRequest, &'st
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn asked(extra: Value) -> Result<Option<(GuideRequest, &'static str)>, ApiError> {
+        let mut body = json!({"prompt": "x"});
+        for (key, value) in extra.as_object().expect("object") {
+            body[key] = value.clone();
+        }
+        let mut body: GenerationBody = serde_json::from_value(body).expect("a body");
+        from_body(&mut body)
+    }
+
+    fn spec(extra: Value) -> (GuideSpec, Option<String>, &'static str) {
+        let (request, param) = asked(extra).expect("taken").expect("a structured output");
+        (request.spec, request.whitespace, param)
+    }
+
+    #[test]
+    fn each_way_of_asking_gives_its_kind_under_its_own_name() {
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let as_schema = GuideSpec::JsonSchema(schema.clone());
+        let format =
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}});
+        assert_eq!(spec(format), (as_schema.clone(), None, "response_format"));
+        assert_eq!(
+            spec(json!({"response_format": {"type": "json_object"}})),
+            (GuideSpec::JsonObject, None, "response_format")
+        );
+        assert!(asked(json!({"response_format": {"type": "text"}}))
+            .expect("taken")
+            .is_none());
+        // vLLM takes a schema as an object or as JSON text.
+        assert_eq!(
+            spec(json!({"guided_json": schema.to_string()})),
+            (as_schema.clone(), None, "guided_json")
+        );
+        assert_eq!(
+            spec(json!({"guided_regex": "a+", "guided_whitespace_pattern": "[ ]*"})),
+            (GuideSpec::Regex("a+".into()), Some("[ ]*".into()), "guided_regex")
+        );
+        assert_eq!(
+            spec(json!({"structured_outputs": {"choice": ["a", "b"], "whitespace_pattern": " "}})),
+            (
+                GuideSpec::Choice(vec!["a".into(), "b".into()]),
+                Some(" ".into()),
+                "structured_outputs"
+            )
+        );
+        assert_eq!(
+            spec(json!({"structured_outputs": {"json_object": true, "disable_any_whitespace": true}})),
+            (GuideSpec::JsonObject, None, "structured_outputs")
+        );
+        assert!(asked(json!({"guided_decoding_backend": "xgrammar"}))
+            .expect("taken")
+            .is_none());
+    }
+
+    #[test]
+    fn more_than_one_kind_grammars_and_malformed_formats_are_refused_by_name() {
+        for (extra, param) in [
+            (json!({"guided_regex": "a", "guided_choice": ["a"]}), "guided_choice"),
+            (
+                json!({"response_format": {"type": "json_object"}, "guided_regex": "a"}),
+                "guided_regex",
+            ),
+            (
+                json!({"structured_outputs": {"regex": "a", "choice": ["a"]}}),
+                "structured_outputs",
+            ),
+            (
+                json!({"structured_outputs": {"grammar": "root ::= a"}}),
+                "structured_outputs",
+            ),
+            (json!({"guided_grammar": "root ::= a"}), "guided_grammar"),
+            (json!({"response_format": {"type": "json_schema"}}), "response_format"),
+            (json!({"response_format": {"type": "xml"}}), "response_format"),
+            (json!({"guided_json": "{not json"}), "guided_json"),
+            (json!({"guided_json": 3}), "guided_json"),
+        ] {
+            let error = asked(extra.clone()).expect_err("refused");
+            assert_eq!(error.param.as_deref(), Some(param), "{extra}: {}", error.message);
+        }
+    }
+}
