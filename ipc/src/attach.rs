@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 /// ([`STEP_LAYOUT_VERSION`](crate::layout::STEP_LAYOUT_VERSION)) change incompatibly: this is the
 /// version the scheduler checks before it starts a worker (3: sampling parameters as rows; 4:
 /// tokens banned before `min_new_tokens`; 5: a failure names the setting it refused; 6: logit
-/// biases; 7: prompt logprobs).
-pub const PROTOCOL_VERSION: u32 = 7;
+/// biases; 7: prompt logprobs; 8: structured outputs' token masks).
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// The worker's first line.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -199,34 +199,36 @@ fn write_logit_biases(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Seque
 fn write_token_masks(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Sequence], eos_token_ids: &[u32]) {
     let layout = *buffer.layout();
     let words = layout.capacity.token_mask_words as usize;
-    let mut used = Vec::with_capacity(plan.seqs.len());
-    let masks = buffer.array_mut(layout.token_masks);
-    for (row, s) in masks.chunks_exact_mut(words.max(1)).zip(&plan.seqs) {
-        let seq = &running[s.running_index];
-        let Some(mask) = seq
+    let guided = |s: &ScheduledSeq| {
+        running[s.running_index]
             .guide
             .as_ref()
             .filter(|_| s.sample && words > 0)
-            .map(|guide| guide.mask())
-        else {
-            used.push(0);
+    };
+    let masks = buffer.array_mut(layout.token_masks);
+    for (row, s) in masks.chunks_exact_mut(words.max(1)).zip(&plan.seqs) {
+        let Some(mask) = guided(s).map(|guide| guide.mask()) else {
             continue;
         };
         for (slot, word) in row.iter_mut().zip(mask.tokens.iter().chain(std::iter::repeat(&0))) {
             *slot = *word as i64;
         }
         if mask.complete || !mask.continues {
-            let ends = eos_token_ids.iter().chain(&seq.request.stopping.stop_token_ids);
-            for &token in ends {
+            let stopping = &running[s.running_index].request.stopping;
+            for &token in eos_token_ids.iter().chain(&stopping.stop_token_ids) {
                 if let Some(word) = row.get_mut(token as usize / 64) {
                     *word |= 1 << (token % 64);
                 }
             }
         }
-        used.push(i64::from(row.iter().any(|&word| word != 0)));
     }
-    used.resize(plan.seqs.len(), 0);
-    buffer.array_mut(layout.token_mask_used)[..used.len()].copy_from_slice(&used);
+    for (i, s) in plan.seqs.iter().enumerate() {
+        let allows_some = guided(s).is_some() && {
+            let row = &buffer.array(layout.token_masks)[i * words..(i + 1) * words];
+            row.iter().any(|&word| word != 0)
+        };
+        buffer.array_mut(layout.token_mask_used)[i] = i64::from(allows_some);
+    }
 }
 
 /// For sequences whose prompt is scored ([`Sequence::scores_prompt`]), how many alternatives
