@@ -267,9 +267,17 @@ impl Validator {
             .guides
             .as_ref()
             .ok_or_else(|| ValidationError::invalid(field, GuideError::Unsupported.to_string()))?;
-        guides
-            .compile(request)
-            .map_err(|error| ValidationError::invalid(field, error.to_string()))
+        // Compiling may take seconds (a DFA is determinized up to its size limit): off the
+        // runtime's worker threads, so that other requests and `/health` are served meanwhile.
+        let compile = || guides.compile(request);
+        let compiled = match tokio::runtime::Handle::try_current() {
+            _ if guides.cached(request).is_some() => compile(),
+            Ok(runtime) if runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(compile)
+            }
+            _ => compile(),
+        };
+        compiled.map_err(|error| ValidationError::invalid(field, error.to_string()))
     }
 
     /// The model a request names, if any, must be the one served.

@@ -23,8 +23,10 @@ use thiserror::Error;
 pub use automaton::{Guide, GuideCursor, GuideState, StateMask};
 pub use vocabulary::GuideVocabulary;
 
-/// Compiled patterns kept for later requests; past that the cache starts over.
+/// Compiled patterns kept for later requests, and the bytes of DFA they may hold together;
+/// past either the cache starts over.
 const MAX_CACHED_GUIDES: usize = 64;
+const MAX_CACHED_BYTES: usize = 256 << 20;
 
 /// Whitespace a JSON output may hold between its tokens unless the request says otherwise
 /// (outlines' default, as vLLM's outlines backend): at most one space, so that a small model
@@ -62,12 +64,18 @@ pub enum GuideError {
     EmptyChoice,
     #[error("the served model's tokenizer is not byte-level BPE, which structured outputs need")]
     Unsupported,
+    #[error("no text matches it")]
+    Unmatchable,
+    #[error("recursive schemas are not supported ({0} refers to itself)")]
+    Recursive(String),
 }
 
-/// Compiles structured outputs against the served model's vocabulary, keeping what it compiled.
+/// Compiles structured outputs against the served model's vocabulary, keeping what it compiled
+/// and what it refused (a refusal can take as long as a compile: a client repeating it should
+/// not cost that again).
 pub struct Guides {
     vocabulary: Arc<GuideVocabulary>,
-    compiled: Mutex<HashMap<String, Arc<Guide>>>,
+    compiled: Mutex<HashMap<String, Result<Arc<Guide>, GuideError>>>,
 }
 
 impl Guides {
@@ -78,19 +86,41 @@ impl Guides {
         }
     }
 
+    /// What an earlier request of the same pattern compiled to, if one did.
+    pub fn cached(&self, request: &GuideRequest) -> Option<Result<Arc<Guide>, GuideError>> {
+        let pattern = pattern(request).ok()?;
+        self.compiled
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&pattern)
+            .cloned()
+    }
+
     /// The guide for `request`, compiled now or taken from an earlier request's.
     pub fn compile(&self, request: &GuideRequest) -> Result<Arc<Guide>, GuideError> {
         let pattern = pattern(request)?;
-        if let Some(guide) = self.compiled.lock().unwrap_or_else(|e| e.into_inner()).get(&pattern) {
-            return Ok(Arc::clone(guide));
+        if let Some(outcome) = self.compiled.lock().unwrap_or_else(|e| e.into_inner()).get(&pattern) {
+            return outcome.clone();
         }
-        let guide = Arc::new(Guide::compile(pattern.clone(), Arc::clone(&self.vocabulary))?);
+        let json = matches!(request.spec, GuideSpec::JsonSchema(_) | GuideSpec::JsonObject);
+        let outcome = Guide::compile(pattern.clone(), Arc::clone(&self.vocabulary))
+            // An empty JSON schema translation (`"enum": []`) would end every output at once.
+            .and_then(|guide| {
+                if json && guide.matches_empty() {
+                    Err(GuideError::Unmatchable)
+                } else {
+                    Ok(guide)
+                }
+            })
+            .map(Arc::new);
         let mut compiled = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
-        if compiled.len() >= MAX_CACHED_GUIDES {
+        let held: usize = compiled.values().flatten().map(|guide| guide.memory_usage()).sum();
+        let adding = outcome.as_ref().map_or(0, |guide| guide.memory_usage());
+        if compiled.len() >= MAX_CACHED_GUIDES || held + adding > MAX_CACHED_BYTES {
             compiled.clear();
         }
-        compiled.insert(pattern, Arc::clone(&guide));
-        Ok(guide)
+        compiled.insert(pattern, outcome.clone());
+        outcome
     }
 }
 
@@ -102,7 +132,10 @@ pub fn pattern(request: &GuideRequest) -> Result<String, GuideError> {
             .map_err(|error| GuideError::Schema(error.to_string()))
     };
     match &request.spec {
-        GuideSpec::JsonSchema(schema) => from_schema(schema),
+        GuideSpec::JsonSchema(schema) => {
+            refuse_recursion(schema)?;
+            from_schema(schema)
+        }
         GuideSpec::JsonObject => from_schema(&serde_json::json!({"type": "object"})),
         GuideSpec::Regex(regex) => Ok(regex.clone()),
         GuideSpec::Choice(choices) => {
@@ -113,6 +146,62 @@ pub fn pattern(request: &GuideRequest) -> Result<String, GuideError> {
             Ok(escaped.join("|"))
         }
     }
+}
+
+/// Refuses a schema whose local `$ref`s lead back to themselves (a tree, a linked list): a
+/// regular expression can only unroll them to a fixed depth, and `outlines-core` cuts them off
+/// leaving a dangling comma and a required property missing — JSON that is not valid, ended as
+/// if whole.
+fn refuse_recursion(schema: &serde_json::Value) -> Result<(), GuideError> {
+    use serde_json::Value;
+
+    /// Every `$ref` under `value`, but those inside definitions (`$defs`, `definitions`), which
+    /// count only where they are referred to.
+    fn refs<'v>(value: &'v Value, found: &mut Vec<&'v str>) {
+        match value {
+            Value::Object(map) => {
+                for (key, inner) in map {
+                    match (key.as_str(), inner) {
+                        ("$ref", Value::String(target)) => found.push(target),
+                        ("$defs" | "definitions", _) => {}
+                        _ => refs(inner, found),
+                    }
+                }
+            }
+            Value::Array(items) => items.iter().for_each(|item| refs(item, found)),
+            _ => {}
+        }
+    }
+    fn target<'v>(schema: &'v Value, reference: &str) -> Option<&'v Value> {
+        schema.pointer(reference.strip_prefix('#')?)
+    }
+    /// Depth first from `node`, `path` the references followed to it; `done` those whose every
+    /// path was followed without coming back (a definition used twice is walked once).
+    fn visit<'v>(
+        schema: &'v Value,
+        node: &'v Value,
+        path: &mut Vec<&'v str>,
+        done: &mut Vec<&'v str>,
+    ) -> Result<(), GuideError> {
+        let mut found = Vec::new();
+        refs(node, &mut found);
+        for reference in found {
+            if path.contains(&reference) {
+                return Err(GuideError::Recursive(reference.to_owned()));
+            }
+            if done.contains(&reference) {
+                continue;
+            }
+            if let Some(next) = target(schema, reference) {
+                path.push(reference);
+                visit(schema, next, path, done)?;
+                path.pop();
+                done.push(reference);
+            }
+        }
+        Ok(())
+    }
+    visit(schema, schema, &mut vec!["#"], &mut Vec::new())
 }
 
 #[cfg(test)]

@@ -154,3 +154,47 @@ fn a_pattern_compiles_once_and_is_shared() {
     let second = guides.compile(&request).expect("compiles");
     assert!(Arc::ptr_eq(&first, &second));
 }
+
+#[test]
+fn recursive_schemas_and_patterns_no_text_matches_are_refused_and_refusals_kept() {
+    let guides = guides();
+    let compile = |spec| guides.compile(&GuideRequest { spec, whitespace: None });
+    let tree = serde_json::json!({
+        "$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+        "$ref": "#/$defs/node"
+    });
+    assert_eq!(
+        compile(GuideSpec::JsonSchema(tree)),
+        Err(GuideError::Recursive("#/$defs/node".into()))
+    );
+    let itself =
+        serde_json::json!({"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}});
+    assert_eq!(
+        compile(GuideSpec::JsonSchema(itself)),
+        Err(GuideError::Recursive("#".into()))
+    );
+    // A definition used twice, without a cycle, is fine.
+    let shared = serde_json::json!({
+        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}}
+    });
+    assert!(compile(GuideSpec::JsonSchema(shared)).is_ok());
+    for regex in ["[^\\s\\S]", "a$b", "a\\zb"] {
+        assert_eq!(
+            compile(GuideSpec::Regex(regex.into())),
+            Err(GuideError::Unmatchable),
+            "{regex}"
+        );
+    }
+    let empty_enum = GuideRequest {
+        spec: GuideSpec::JsonSchema(serde_json::json!({"enum": []})),
+        whitespace: None,
+    };
+    assert_eq!(guides.compile(&empty_enum), Err(GuideError::Unmatchable));
+    assert_eq!(
+        guides.cached(&empty_enum),
+        Some(guides.compile(&empty_enum)),
+        "the refusal is kept"
+    );
+}

@@ -32,6 +32,22 @@ struct StructuredOutputs {
     disable_additional_properties: Option<bool>,
 }
 
+/// OpenAI's `response_format.json_schema`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JsonSchemaFormat {
+    /// OpenAI's field is `schema`; vLLM also reads it as `json_schema`.
+    #[serde(alias = "json_schema")]
+    schema: Option<Value>,
+    #[allow(dead_code)]
+    name: Option<String>,
+    #[allow(dead_code)]
+    description: Option<String>,
+    /// Taken: the output holds to the schema either way.
+    #[allow(dead_code)]
+    strict: Option<bool>,
+}
+
 fn invalid(param: &'static str, problem: impl std::fmt::Display) -> ApiError {
     ApiError::bad_request(param, format!("{param}: {problem}"))
 }
@@ -58,12 +74,12 @@ fn response_format(format: Value) -> Result<Option<GuideSpec>, ApiError> {
         Some("json_schema") => {
             let inner = format
                 .get("json_schema")
-                .ok_or_else(|| invalid(PARAM, "type json_schema needs its \"json_schema\" object"))?;
-            // OpenAI's field is `schema`; vLLM also reads it as `json_schema`.
-            let schema_value = inner
-                .get("schema")
-                .or_else(|| inner.get("json_schema"))
                 .cloned()
+                .ok_or_else(|| invalid(PARAM, "type json_schema needs its \"json_schema\" object"))?;
+            let inner: JsonSchemaFormat =
+                serde_json::from_value(inner).map_err(|e| invalid(PARAM, format!("json_schema: {e}")))?;
+            let schema_value = inner
+                .schema
                 .ok_or_else(|| invalid(PARAM, "json_schema needs its \"schema\""))?;
             schema(PARAM, schema_value).map(Some)
         }
@@ -98,8 +114,8 @@ fn structured_outputs(value: Value) -> Result<(Option<GuideSpec>, Option<String>
     if outputs.json_object == Some(true) {
         kinds.push(GuideSpec::JsonObject);
     }
-    if kinds.len() > 1 {
-        return Err(invalid(PARAM, "give one of json, regex, choice and json_object"));
+    if kinds.len() != 1 {
+        return Err(invalid(PARAM, "give one of json, regex, choice and json_object: true"));
     }
     Ok((kinds.pop(), outputs.whitespace_pattern))
 }
@@ -230,6 +246,15 @@ mod tests {
             (json!({"response_format": {"type": "xml"}}), "response_format"),
             (json!({"guided_json": "{not json"}), "guided_json"),
             (json!({"guided_json": 3}), "guided_json"),
+            (json!({"structured_outputs": {}}), "structured_outputs"),
+            (
+                json!({"structured_outputs": {"json_object": false}}),
+                "structured_outputs",
+            ),
+            (
+                json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "extra": 1}}}),
+                "response_format",
+            ),
         ] {
             let error = asked(extra.clone()).expect_err("refused");
             assert_eq!(error.param.as_deref(), Some(param), "{extra}: {}", error.message);
