@@ -134,7 +134,9 @@ pub fn pattern(request: &GuideRequest) -> Result<String, GuideError> {
     match &request.spec {
         GuideSpec::JsonSchema(schema) => {
             refuse_recursion(schema)?;
-            from_schema(schema)
+            let mut schema = schema.clone();
+            spell_out_formats(&mut schema);
+            from_schema(&schema)
         }
         GuideSpec::JsonObject => from_schema(&serde_json::json!({"type": "object"})),
         GuideSpec::Regex(regex) => Ok(regex.clone()),
@@ -145,6 +147,49 @@ pub fn pattern(request: &GuideRequest) -> Result<String, GuideError> {
             let escaped: Vec<String> = choices.iter().map(|choice| regex_syntax::escape(choice)).collect();
             Ok(escaped.join("|"))
         }
+    }
+}
+
+/// String formats as patterns of printable ASCII without `"` or `\`, so that every match is a
+/// valid JSON string and the DFA stays small. `outlines-core`'s own let invalid JSON through (an
+/// email's quoted local part and a URI's user part may hold `"`; its time matches `\` and any
+/// character where it meant `\.`; its date takes any Unicode digit) and, being Unicode-wide,
+/// made an object of an email, a URI and a date-time determinize to ~40 MB of DFA.
+const FORMAT_PATTERNS: [(&str, &str); 5] = [
+    (
+        "email",
+        r"[a-zA-Z0-9.!#$%&'*+/=?^_`{|}~-]+@[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)+",
+    ),
+    (
+        "uri",
+        r"(?:https?|ftp)://[a-zA-Z0-9.-]+(?::[0-9]{1,5})?(?:/[!#-\[\]-~]*)?",
+    ),
+    (
+        "date-time",
+        r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])",
+    ),
+    ("date", r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"),
+    (
+        "time",
+        r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])?",
+    ),
+];
+
+/// Gives every string schema of a format in [`FORMAT_PATTERNS`] that pattern, where it has none
+/// of its own (`outlines-core` reads a `pattern` before a `format`).
+fn spell_out_formats(schema: &mut serde_json::Value) {
+    use serde_json::Value;
+    match schema {
+        Value::Object(map) => {
+            let format = map.get("format").and_then(Value::as_str);
+            let spelled = FORMAT_PATTERNS.iter().find(|(name, _)| Some(*name) == format);
+            if let (Some((_, pattern)), false) = (spelled, map.contains_key("pattern")) {
+                map.insert("pattern".into(), Value::String((*pattern).to_owned()));
+            }
+            map.values_mut().for_each(spell_out_formats);
+        }
+        Value::Array(items) => items.iter_mut().for_each(spell_out_formats),
+        _ => {}
     }
 }
 

@@ -198,3 +198,31 @@ fn recursive_schemas_and_patterns_no_text_matches_are_refused_and_refusals_kept(
         "the refusal is kept"
     );
 }
+
+#[test]
+fn string_formats_take_valid_json_strings_only_and_compile_small() {
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "e": {"type": "string", "format": "email"},
+            "u": {"type": "string", "format": "uri"},
+            "d": {"type": "string", "format": "date-time"},
+            "t": {"type": "string", "format": "time"}
+        },
+        "required": ["e", "u", "d", "t"]
+    });
+    let guide = guide(GuideSpec::JsonSchema(schema));
+    let text = r#"{"e": "a.b@c.org", "u": "https://x.io/p?q=1", "d": "2024-02-29T10:00:00Z", "t": "23:59:01.5"}"#;
+    let pieces: Vec<String> = text.chars().map(String::from).collect();
+    let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
+    assert!(after(&guide, &pieces).mask().complete);
+    // No quote or backslash inside a formatted string (outlines' own email, URI and time took them).
+    let in_email = after(&guide, &["{\"", "e", "\":", " ", "\"", "a"]).mask();
+    assert!(allowed(&in_email, "@") && !allowed(&in_email, "\"") && !allowed(&in_email, "\\"));
+    let in_time = after(&guide, &pieces[..pieces.len() - 4]).mask();
+    assert!(
+        allowed(&in_time, ".") && !allowed(&in_time, "\\"),
+        "after {:?}",
+        &pieces[..pieces.len() - 4].concat()
+    );
+}
