@@ -5,6 +5,7 @@
 use rivulet_ipc::layout::{MAX_BANNED_TOKENS, MAX_LOGIT_BIAS, MAX_REQUEST_LOGIT_BIAS};
 use rivulet_ipc::{SeqSampling, StepBuffer};
 
+use crate::guide::StateMask;
 use crate::scheduler::{ScheduledSeq, StepPlan};
 use crate::sequence::Sequence;
 
@@ -167,7 +168,10 @@ fn write_logit_biases(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Seque
                     .logit_bias
                     .iter()
                     .all(|(token, _)| bans.clone().any(|banned| banned == token))
-                || seq.guide.as_ref().is_some_and(|guide| !guide.mask().continues));
+                || seq
+                    .guide
+                    .as_ref()
+                    .is_some_and(|guide| bans_leave_nothing(&guide.mask(), bans.clone().copied())));
         let bans = bans
             .filter(move |_| short && !bans_everything)
             .map(|&token| (token, f32::NEG_INFINITY));
@@ -189,6 +193,24 @@ fn write_logit_biases(buffer: &mut StepBuffer, plan: &StepPlan, running: &[Seque
             *slot = value;
         }
     }
+}
+
+/// Whether banning `bans` would leave a guided row nothing to choose: its guide allows no
+/// token but an end, or only tokens among the bans (stop token ids may be ordinary tokens).
+fn bans_leave_nothing(mask: &StateMask, bans: impl Iterator<Item = u32>) -> bool {
+    if !mask.continues {
+        return true;
+    }
+    let allowed = |token: u32| {
+        mask.tokens
+            .get(token as usize / 64)
+            .is_some_and(|word| word >> (token % 64) & 1 == 1)
+    };
+    let mut banned_allowed: Vec<u32> = bans.filter(|&token| allowed(token)).collect();
+    banned_allowed.sort_unstable();
+    banned_allowed.dedup();
+    let allowed_count: u32 = mask.tokens.iter().map(|word| word.count_ones()).sum();
+    banned_allowed.len() as u32 == allowed_count
 }
 
 /// For sampled sequences with a structured output, the tokens their guide allows where their
@@ -475,6 +497,12 @@ mod tests {
         writer.write(&mut buffer, 2, &one_token_each(2), &running, 16, &[2]);
         // Whole, with nothing more allowed: only its ends, and no ban that would forbid them.
         assert_eq!(bits(&buffer.array(layout.token_masks)[..2]), [2, 7]);
+        assert_eq!(bias_rows(&buffer, 1), vec![Vec::new()]);
+
+        // At the start, with `a` a stop token: banning it would leave nothing, so nothing is.
+        running[0].guide = Some(GuideCursor::new(guide));
+        running[0].request.stopping.stop_token_ids = vec![u32::from(b'a')];
+        writer.write(&mut buffer, 3, &one_token_each(2), &running, 16, &[2]);
         assert_eq!(bias_rows(&buffer, 1), vec![Vec::new()]);
     }
 

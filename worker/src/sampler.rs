@@ -44,7 +44,8 @@ pub struct LogitBias {
     /// `[R]` i64: rows whose unlisted tokens are excluded; `None` if there are none.
     pub allowed_only_rows: Option<Tensor>,
     /// Rows with a structured output's token mask: `[M]` i64 rows, and `[M, 64 × words]` bool,
-    /// true where a token may be chosen; `None` if no row has one.
+    /// true where a token may be chosen (the words go to the device as they are and are unpacked
+    /// there: 64 times fewer bytes to copy); `None` if no row has one.
     pub masks: Option<(Tensor, Tensor)>,
 }
 
@@ -57,7 +58,7 @@ impl LogitBias {
     ) -> Result<Option<Self>, tch::TchError> {
         let (mut entry_rows, mut tokens, mut values, mut allowed_only) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut mask_rows, mut mask_bits, mut mask_words) = (Vec::new(), Vec::new(), 0);
+        let (mut mask_rows, mut mask_words, mut words_per_row) = (Vec::new(), Vec::new(), 0);
         for (row, (bias, only)) in rows.into_iter().enumerate() {
             entry_rows.extend(std::iter::repeat_n(row as i64, bias.tokens.len()));
             tokens.extend_from_slice(bias.tokens);
@@ -67,11 +68,8 @@ impl LogitBias {
             }
             if let Some(mask) = bias.mask {
                 mask_rows.push(row as i64);
-                mask_words = mask.len();
-                mask_bits.extend(
-                    mask.iter()
-                        .flat_map(|&word| (0..64).map(move |bit| (word as u64) >> bit & 1 == 1)),
-                );
+                words_per_row = mask.len();
+                mask_words.extend_from_slice(mask);
             }
         }
         if tokens.is_empty() && allowed_only.is_empty() && mask_rows.is_empty() {
@@ -80,9 +78,15 @@ impl LogitBias {
         let masks = if mask_rows.is_empty() {
             None
         } else {
-            let bits = Tensor::f_from_slice(&mask_bits)?
-                .f_view([mask_rows.len() as i64, 64 * mask_words as i64])?
-                .f_to_device(device)?;
+            let rows = mask_rows.len() as i64;
+            let shifts = Tensor::f_arange(64, (Kind::Int64, device))?;
+            let bits = Tensor::f_from_slice(&mask_words)?
+                .f_view([rows, words_per_row as i64, 1])?
+                .f_to_device(device)?
+                .f_bitwise_right_shift(&shifts)?
+                .f_bitwise_and(1)?
+                .f_ne(0)?
+                .f_view([rows, 64 * words_per_row as i64])?;
             Some((Tensor::f_from_slice(&mask_rows)?.f_to_device(device)?, bits))
         };
         let on_device = |values: &[i64]| Tensor::f_from_slice(values)?.f_to_device(device);

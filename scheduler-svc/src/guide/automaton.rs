@@ -7,9 +7,11 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use regex_automata::dfa::{dense, Automaton, StartKind};
+use regex_automata::nfa::thompson;
 use regex_automata::util::primitives::StateID;
 use regex_automata::util::start;
 use regex_automata::{Anchored, MatchKind};
+use regex_syntax::hir::{Hir, Look};
 
 use super::vocabulary::GuideVocabulary;
 use super::GuideError;
@@ -22,9 +24,9 @@ use super::GuideError;
 /// determinized as sequences walk it, would be the fix); until then they are refused quickly.
 pub const DFA_SIZE_LIMIT: usize = 16 << 20;
 
-/// States whose masks a guide keeps (6 KiB each for a 49k vocabulary); past that they are
-/// dropped and recomputed as sequences reach them again.
-const MAX_CACHED_STATES: usize = 4096;
+/// Bytes of masks a guide keeps (6 KiB each for a 49k vocabulary: 2730 states); past that they
+/// are dropped and recomputed as sequences reach them again.
+pub const MAX_MASK_BYTES: usize = 16 << 20;
 
 /// What a sequence may choose in one state of its guide.
 #[derive(Debug)]
@@ -44,15 +46,25 @@ pub struct Guide {
     start: StateID,
     vocabulary: Arc<GuideVocabulary>,
     masks: Mutex<HashMap<StateID, Arc<StateMask>>>,
+    /// Whether some text leads from a state to a match. Most live states can, but not all: after
+    /// `x` in `x$y|z` the DFA is not dead, yet nothing completes it.
+    finishable: Mutex<HashMap<StateID, bool>>,
 }
 
 impl Guide {
     /// `pattern` (a regular expression the whole output must match) against `vocabulary`.
     pub fn compile(pattern: String, vocabulary: Arc<GuideVocabulary>) -> Result<Self, GuideError> {
-        // Anchored at both ends: the output must match whole. Ending the pattern at `\z` also
-        // means a DFA state can be a match state only at the end of the text, so "alive" is
-        // simply "not dead" for every prefix (no delayed matches to tell apart).
-        let anchored = format!("(?:{pattern})\\z");
+        // Anchored at both ends, on the parsed pattern (text around it could be escaped from:
+        // `a)|(b`, or commented out under `(?x)`): the output must match whole, and a DFA state
+        // can be a match state only at the end of the text (no delayed matches to tell apart).
+        let parsed = regex_syntax::parse(&pattern).map_err(|error| GuideError::Pattern(error.to_string()))?;
+        let whole = Hir::concat(vec![parsed, Hir::look(Look::End)]);
+        // The NFA is bounded too: `a{100000000}` would otherwise take gigabytes before the DFA's
+        // own limit is ever checked.
+        let nfa = thompson::Compiler::new()
+            .configure(thompson::Config::new().nfa_size_limit(Some(DFA_SIZE_LIMIT)))
+            .build_from_hir(&whole)
+            .map_err(|error| GuideError::Pattern(with_causes(&error)))?;
         let config = dense::Config::new()
             .match_kind(MatchKind::All)
             .start_kind(StartKind::Anchored)
@@ -60,28 +72,24 @@ impl Guide {
             .determinize_size_limit(Some(DFA_SIZE_LIMIT));
         let dfa = dense::Builder::new()
             .configure(config)
-            .build(&anchored)
+            .build_from_nfa(&nfa)
             .map_err(|error| GuideError::Pattern(with_causes(&error)))?;
         let start = dfa
             .start_state(&start::Config::new().anchored(Anchored::Yes))
             .map_err(|error| GuideError::Pattern(error.to_string()))?;
-        if !matches_some_text(&dfa, start) {
-            // An output could only end at once, not matching (`[^\s\S]`, `a$b`, `"enum": []`).
-            return Err(GuideError::Unmatchable);
-        }
-        Ok(Self {
+        let guide = Self {
             pattern,
             dfa,
             start,
             vocabulary,
             masks: Mutex::new(HashMap::new()),
-        })
-    }
-
-    /// Bytes its DFA and the masks it keeps take.
-    pub fn memory_usage(&self) -> usize {
-        let masks = self.masks.lock().unwrap_or_else(|e| e.into_inner()).len();
-        self.dfa.memory_usage() + masks * self.vocabulary.mask_words() * 8
+            finishable: Mutex::new(HashMap::new()),
+        };
+        if !guide.can_finish(start) {
+            // An output could only end at once, not matching (`[^\s\S]`, `a$b`, `"enum": []`).
+            return Err(GuideError::Unmatchable);
+        }
+        Ok(guide)
     }
 
     /// Whether the empty text is a whole match (no JSON value is).
@@ -128,42 +136,57 @@ impl Guide {
         }
         // Computed outside the lock: two sequences reaching a new state at once compute it
         // twice rather than one waiting on the other.
-        let (tokens, continues) = self.vocabulary.allowed(id, |state, byte| self.step(state, byte));
+        let (tokens, continues) =
+            self.vocabulary
+                .allowed(id, |state, byte| self.step(state, byte), |state| self.can_finish(state));
         let mask = Arc::new(StateMask {
             tokens,
             continues,
             complete: self.dfa.is_match_state(self.dfa.next_eoi_state(id)),
         });
         let mut masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
-        if masks.len() >= MAX_CACHED_STATES {
+        if (masks.len() + 1) * self.vocabulary.mask_words() * 8 > MAX_MASK_BYTES {
             masks.clear();
         }
         masks.insert(id, Arc::clone(&mask));
         mask
     }
 
+    /// Whether some text leads from `state` to a match: a search over the states it reaches,
+    /// kept; when none can, none of the states it passed can either, and they are kept too.
+    fn can_finish(&self, state: StateID) -> bool {
+        if let Some(&known) = self.finishable.lock().unwrap_or_else(|e| e.into_inner()).get(&state) {
+            return known;
+        }
+        let mut seen = std::collections::HashSet::from([state]);
+        let mut pending = vec![state];
+        let mut found = false;
+        while let Some(current) = pending.pop() {
+            if self.dfa.is_match_state(self.dfa.next_eoi_state(current)) {
+                found = true;
+                break;
+            }
+            for byte in 0..=255u8 {
+                if let Some(next) = self.step(current, byte) {
+                    if seen.insert(next) {
+                        pending.push(next);
+                    }
+                }
+            }
+        }
+        let mut finishable = self.finishable.lock().unwrap_or_else(|e| e.into_inner());
+        if found {
+            finishable.insert(state, true);
+        } else {
+            finishable.extend(seen.into_iter().map(|hopeless| (hopeless, false)));
+        }
+        found
+    }
+
     fn step(&self, state: StateID, byte: u8) -> Option<StateID> {
         let next = self.dfa.next_state(state, byte);
         (!self.dfa.is_dead_state(next) && !self.dfa.is_quit_state(next)).then_some(next)
     }
-}
-
-/// Whether some text leads from `start` to a match: a search over the DFA's live states.
-fn matches_some_text(dfa: &dense::DFA<Vec<u32>>, start: StateID) -> bool {
-    let mut seen = std::collections::HashSet::from([start]);
-    let mut pending = vec![start];
-    while let Some(state) = pending.pop() {
-        if dfa.is_match_state(dfa.next_eoi_state(state)) {
-            return true;
-        }
-        for byte in 0..=255u8 {
-            let next = dfa.next_state(state, byte);
-            if !dfa.is_dead_state(next) && !dfa.is_quit_state(next) && seen.insert(next) {
-                pending.push(next);
-            }
-        }
-    }
-    false
 }
 
 /// `error` and what caused it (regex-automata's own message is only "error building NFA"; the

@@ -23,10 +23,10 @@ use thiserror::Error;
 pub use automaton::{Guide, GuideCursor, GuideState, StateMask};
 pub use vocabulary::GuideVocabulary;
 
-/// Compiled patterns kept for later requests, and the bytes of DFA they may hold together;
-/// past either the cache starts over.
-const MAX_CACHED_GUIDES: usize = 64;
-const MAX_CACHED_BYTES: usize = 256 << 20;
+/// Compiled patterns (and refusals) kept for later requests; past that the cache starts over.
+/// Each holds at most [`automaton::DFA_SIZE_LIMIT`] of DFA and [`automaton::MAX_MASK_BYTES`] of
+/// masks: 512 MB at most for the cache, besides guides that running sequences still hold.
+const MAX_CACHED_GUIDES: usize = 16;
 
 /// Whitespace a JSON output may hold between its tokens unless the request says otherwise
 /// (outlines' default, as vLLM's outlines backend): at most one space, so that a small model
@@ -96,6 +96,21 @@ impl Guides {
             .cloned()
     }
 
+    /// [`Self::compile`], off the async runtime's worker threads where it runs on one (compiling
+    /// may take seconds, a DFA being determinized up to its limit), so that other requests and
+    /// `/health` are served meanwhile; a pattern compiled before is simply taken.
+    pub fn compile_off_runtime(&self, request: &GuideRequest) -> Result<Arc<Guide>, GuideError> {
+        if let Some(outcome) = self.cached(request) {
+            return outcome;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) if runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| self.compile(request))
+            }
+            _ => self.compile(request),
+        }
+    }
+
     /// The guide for `request`, compiled now or taken from an earlier request's.
     pub fn compile(&self, request: &GuideRequest) -> Result<Arc<Guide>, GuideError> {
         let pattern = pattern(request)?;
@@ -114,9 +129,7 @@ impl Guides {
             })
             .map(Arc::new);
         let mut compiled = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
-        let held: usize = compiled.values().flatten().map(|guide| guide.memory_usage()).sum();
-        let adding = outcome.as_ref().map_or(0, |guide| guide.memory_usage());
-        if compiled.len() >= MAX_CACHED_GUIDES || held + adding > MAX_CACHED_BYTES {
+        if compiled.len() >= MAX_CACHED_GUIDES {
             compiled.clear();
         }
         compiled.insert(pattern, outcome.clone());
@@ -135,7 +148,7 @@ pub fn pattern(request: &GuideRequest) -> Result<String, GuideError> {
         GuideSpec::JsonSchema(schema) => {
             refuse_recursion(schema)?;
             let mut schema = schema.clone();
-            spell_out_formats(&mut schema);
+            prepare_schema(&mut schema);
             from_schema(&schema)
         }
         GuideSpec::JsonObject => from_schema(&serde_json::json!({"type": "object"})),
@@ -175,23 +188,53 @@ const FORMAT_PATTERNS: [(&str, &str); 5] = [
     ),
 ];
 
-/// Gives every string schema of a format in [`FORMAT_PATTERNS`] that pattern, where it has none
-/// of its own (`outlines-core` reads a `pattern` before a `format`).
-fn spell_out_formats(schema: &mut serde_json::Value) {
+/// Readies a schema for `outlines-core`, which writes a string's `pattern` between quotes as it
+/// is (stripping `^…$` only when both are there, so `cat|dog` became `"cat` or `dog"`, invalid
+/// JSON, and `[a-z]+$` a string that never closes): each pattern loses its anchors and is
+/// grouped; a string of a format in [`FORMAT_PATTERNS`] without a pattern of its own is given
+/// that one (`outlines-core` reads a `pattern` before a `format`). Values that are data, not
+/// schemas (`const`, `enum`, `default`, `examples`), are left as they are.
+fn prepare_schema(schema: &mut serde_json::Value) {
     use serde_json::Value;
     match schema {
         Value::Object(map) => {
             let format = map.get("format").and_then(Value::as_str);
             let spelled = FORMAT_PATTERNS.iter().find(|(name, _)| Some(*name) == format);
-            if let (Some((_, pattern)), false) = (spelled, map.contains_key("pattern")) {
-                map.insert("pattern".into(), Value::String((*pattern).to_owned()));
+            match (map.get_mut("pattern"), spelled) {
+                (Some(Value::String(pattern)), _) => *pattern = grouped(pattern),
+                (None, Some((_, pattern))) => {
+                    map.insert("pattern".into(), Value::String(grouped(pattern)));
+                }
+                _ => {}
             }
-            map.values_mut().for_each(spell_out_formats);
+            for (key, value) in map.iter_mut() {
+                match (key.as_str(), value) {
+                    ("const" | "enum" | "default" | "examples", _) => {}
+                    // Maps of names to schemas: every value is a schema, whatever its name.
+                    ("properties" | "patternProperties" | "$defs" | "definitions", Value::Object(named)) => {
+                        named.values_mut().for_each(prepare_schema);
+                    }
+                    (_, value) => prepare_schema(value),
+                }
+            }
         }
-        Value::Array(items) => items.iter_mut().for_each(spell_out_formats),
+        Value::Array(items) => items.iter_mut().for_each(prepare_schema),
         _ => {}
     }
 }
+
+/// `pattern` without a leading `^` or a trailing (unescaped) `$`, as one group.
+fn grouped(pattern: &str) -> String {
+    let pattern = pattern.strip_prefix('^').unwrap_or(pattern);
+    let pattern = match pattern.strip_suffix('$') {
+        Some(stripped) if !stripped.ends_with('\\') => stripped,
+        _ => pattern,
+    };
+    format!("(?:{pattern})")
+}
+
+/// `$ref`s one chain may follow (`outlines-core` itself refuses more than a few nested).
+const MAX_REF_DEPTH: usize = 8;
 
 /// Refuses a schema whose local `$ref`s lead back to themselves (a tree, a linked list): a
 /// regular expression can only unroll them to a fixed depth, and `outlines-core` cuts them off
@@ -220,13 +263,14 @@ fn refuse_recursion(schema: &serde_json::Value) -> Result<(), GuideError> {
     fn target<'v>(schema: &'v Value, reference: &str) -> Option<&'v Value> {
         schema.pointer(reference.strip_prefix('#')?)
     }
-    /// Depth first from `node`, `path` the references followed to it; `done` those whose every
+    /// Depth first from `node`, `path` the references followed to it (at most
+    /// [`MAX_REF_DEPTH`]: a chain of thousands would overflow the stack); `done` those whose every
     /// path was followed without coming back (a definition used twice is walked once).
     fn visit<'v>(
         schema: &'v Value,
         node: &'v Value,
         path: &mut Vec<&'v str>,
-        done: &mut Vec<&'v str>,
+        done: &mut std::collections::HashSet<&'v str>,
     ) -> Result<(), GuideError> {
         let mut found = Vec::new();
         refs(node, &mut found);
@@ -234,19 +278,22 @@ fn refuse_recursion(schema: &serde_json::Value) -> Result<(), GuideError> {
             if path.contains(&reference) {
                 return Err(GuideError::Recursive(reference.to_owned()));
             }
-            if done.contains(&reference) {
+            if path.len() > MAX_REF_DEPTH {
+                return Err(GuideError::Schema(format!("$refs nest more than {MAX_REF_DEPTH} deep")));
+            }
+            if done.contains(reference) {
                 continue;
             }
             if let Some(next) = target(schema, reference) {
                 path.push(reference);
                 visit(schema, next, path, done)?;
                 path.pop();
-                done.push(reference);
+                done.insert(reference);
             }
         }
         Ok(())
     }
-    visit(schema, schema, &mut vec!["#"], &mut Vec::new())
+    visit(schema, schema, &mut vec!["#"], &mut std::collections::HashSet::new())
 }
 
 #[cfg(test)]

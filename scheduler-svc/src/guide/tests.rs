@@ -226,3 +226,65 @@ fn string_formats_take_valid_json_strings_only_and_compile_small() {
         &pieces[..pieces.len() - 4].concat()
     );
 }
+
+#[test]
+fn huge_repetitions_escapes_and_hopeless_branches_are_handled() {
+    let guides = guides();
+    let compile = |regex: &str| {
+        guides.compile(&GuideRequest {
+            spec: GuideSpec::Regex(regex.into()),
+            whitespace: None,
+        })
+    };
+    // Bounded before the NFA takes gigabytes.
+    assert!(matches!(compile("a{100000000}"), Err(GuideError::Pattern(_))));
+    // The pattern is parsed, never pasted into a wrapper it could close.
+    assert!(matches!(compile("a)|(b"), Err(GuideError::Pattern(_))));
+    // After `x` nothing completes `x$y`: `x` is not offered, `z` is.
+    let guide = compile("x$y|z").expect("compiles");
+    let start = GuideCursor::new(guide).mask();
+    assert!(allowed(&start, "z") && !allowed(&start, "x"));
+}
+
+#[test]
+fn a_schemas_patterns_are_grouped_and_its_data_left_alone() {
+    let pet = guide(GuideSpec::JsonSchema(
+        serde_json::json!({"type": "string", "pattern": "cat|dog"}),
+    ));
+    assert!(after(&pet, &["\"", "c", "a", "t"])
+        .mask()
+        .tokens
+        .iter()
+        .any(|&word| word != 0));
+    assert!(after(&pet, &["\"", "c", "a", "t", "\""]).mask().complete);
+    assert!(
+        !allowed(&GuideCursor::new(Arc::clone(&pet)).mask(), "d"),
+        "`dog` is inside the quotes too"
+    );
+    let closed = guide(GuideSpec::JsonSchema(
+        serde_json::json!({"type": "string", "pattern": "^[a-z]+$"}),
+    ));
+    assert!(after(&closed, &["\"", "a", "b", "\""]).mask().complete);
+
+    let mut data = serde_json::json!({"const": {"format": "date"}, "enum": [{"pattern": "x"}]});
+    let before = data.clone();
+    prepare_schema(&mut data);
+    assert_eq!(data, before);
+    let mut named = serde_json::json!({"properties": {"const": {"type": "string", "format": "date"}}});
+    prepare_schema(&mut named);
+    assert!(named["properties"]["const"]["pattern"].is_string());
+}
+
+#[test]
+fn a_long_chain_of_refs_is_refused_without_walking_it() {
+    let defs: serde_json::Map<String, serde_json::Value> = (0..20_000)
+        .map(|i| {
+            (
+                format!("d{i}"),
+                serde_json::json!({"$ref": format!("#/$defs/d{}", i + 1)}),
+            )
+        })
+        .collect();
+    let schema = serde_json::json!({"$defs": defs, "$ref": "#/$defs/d0"});
+    assert!(matches!(refuse_recursion(&schema), Err(GuideError::Schema(_))));
+}

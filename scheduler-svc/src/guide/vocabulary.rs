@@ -58,10 +58,16 @@ impl GuideVocabulary {
         self.mask_words
     }
 
-    /// The tokens whose every byte `step` accepts, walking from `start`: `step(state, byte)`
-    /// gives the next state, or `None` where the automaton refuses the byte. Returns the mask
-    /// (bit `id % 64` of word `id / 64`) and whether any token is allowed.
-    pub fn allowed<S: Copy>(&self, start: S, mut step: impl FnMut(S, u8) -> Option<S>) -> (Box<[u64]>, bool) {
+    /// The tokens whose every byte `step` accepts, walking from `start`, and after whose last
+    /// byte `can_finish` says a match is still reachable: `step(state, byte)` gives the next
+    /// state, or `None` where the automaton refuses the byte. Returns the mask (bit `id % 64` of
+    /// word `id / 64`) and whether any token is allowed.
+    pub fn allowed<S: Copy>(
+        &self,
+        start: S,
+        mut step: impl FnMut(S, u8) -> Option<S>,
+        mut can_finish: impl FnMut(S) -> bool,
+    ) -> (Box<[u64]>, bool) {
         let mut mask = vec![0u64; self.mask_words].into_boxed_slice();
         let mut any = false;
         // `states[d]`: the state after the current token's first `d` bytes, valid up to
@@ -86,7 +92,7 @@ impl GuideVocabulary {
                     }
                 }
             }
-            if refused_at == usize::MAX {
+            if refused_at == usize::MAX && can_finish(states[depth]) {
                 let id = entry.id as usize;
                 mask[id / 64] |= 1 << (id % 64);
                 any = true;
@@ -133,7 +139,7 @@ mod tests {
                     prefixes.len() - 1
                 })
             };
-            let (mask, any) = vocabulary.allowed(0usize, step);
+            let (mask, any) = vocabulary.allowed(0usize, step, |_| true);
             let expected: Vec<u32> = (0..TOKENS.len() as u32)
                 .filter(|&id| !TOKENS[id as usize].is_empty() && prefix_of_a_word(TOKENS[id as usize].as_bytes()))
                 .collect();
