@@ -2,7 +2,7 @@
 //! tokens that keep the text on a path the DFA can still accept (computed the first time a
 //! sequence reaches the state, then shared by every sequence of the same pattern).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
@@ -46,9 +46,9 @@ pub struct Guide {
     start: StateID,
     vocabulary: Arc<GuideVocabulary>,
     masks: Mutex<HashMap<StateID, Arc<StateMask>>>,
-    /// Whether some text leads from a state to a match. Most live states can, but not all: after
-    /// `x` in `x$y|z` the DFA is not dead, yet nothing completes it.
-    finishable: Mutex<HashMap<StateID, bool>>,
+    /// The states from which some text leads to a match. Most live states can, but not all:
+    /// after `x` in `x$y|z` the DFA is not dead, yet nothing completes it.
+    finishable: HashSet<StateID>,
 }
 
 impl Guide {
@@ -77,19 +77,19 @@ impl Guide {
         let start = dfa
             .start_state(&start::Config::new().anchored(Anchored::Yes))
             .map_err(|error| GuideError::Pattern(error.to_string()))?;
-        let guide = Self {
+        let finishable = finishable_states(&dfa, start);
+        if !finishable.contains(&start) {
+            // An output could only end at once, not matching (`[^\s\S]`, `a$b`, `"enum": []`).
+            return Err(GuideError::Unmatchable);
+        }
+        Ok(Self {
             pattern,
             dfa,
             start,
             vocabulary,
             masks: Mutex::new(HashMap::new()),
-            finishable: Mutex::new(HashMap::new()),
-        };
-        if !guide.can_finish(start) {
-            // An output could only end at once, not matching (`[^\s\S]`, `a$b`, `"enum": []`).
-            return Err(GuideError::Unmatchable);
-        }
-        Ok(guide)
+            finishable,
+        })
     }
 
     /// Whether the empty text is a whole match (no JSON value is).
@@ -152,41 +152,64 @@ impl Guide {
         mask
     }
 
-    /// Whether some text leads from `state` to a match: a search over the states it reaches,
-    /// kept; when none can, none of the states it passed can either, and they are kept too.
     fn can_finish(&self, state: StateID) -> bool {
-        if let Some(&known) = self.finishable.lock().unwrap_or_else(|e| e.into_inner()).get(&state) {
-            return known;
-        }
-        let mut seen = std::collections::HashSet::from([state]);
-        let mut pending = vec![state];
-        let mut found = false;
-        while let Some(current) = pending.pop() {
-            if self.dfa.is_match_state(self.dfa.next_eoi_state(current)) {
-                found = true;
-                break;
-            }
-            for byte in 0..=255u8 {
-                if let Some(next) = self.step(current, byte) {
-                    if seen.insert(next) {
-                        pending.push(next);
-                    }
-                }
-            }
-        }
-        let mut finishable = self.finishable.lock().unwrap_or_else(|e| e.into_inner());
-        if found {
-            finishable.insert(state, true);
-        } else {
-            finishable.extend(seen.into_iter().map(|hopeless| (hopeless, false)));
-        }
-        found
+        self.finishable.contains(&state)
     }
 
     fn step(&self, state: StateID, byte: u8) -> Option<StateID> {
         let next = self.dfa.next_state(state, byte);
         (!self.dfa.is_dead_state(next) && !self.dfa.is_quit_state(next)).then_some(next)
     }
+}
+
+/// The states reachable from `start` from which some text leads to a match: every reachable
+/// state and its edges (one byte of each of the DFA's byte classes), then back from the states
+/// whose end of text is a match.
+fn finishable_states(dfa: &dense::DFA<Vec<u32>>, start: StateID) -> HashSet<StateID> {
+    let bytes: Vec<u8> = dfa
+        .byte_classes()
+        .representatives(..)
+        .filter_map(|unit| unit.as_u8())
+        .collect();
+    let mut index = HashMap::from([(start, 0usize)]);
+    let (mut states, mut comes_from) = (vec![start], vec![Vec::new()]);
+    let mut next_unvisited = 0;
+    while let Some(&state) = states.get(next_unvisited) {
+        for &byte in &bytes {
+            let next = dfa.next_state(state, byte);
+            if dfa.is_dead_state(next) || dfa.is_quit_state(next) {
+                continue;
+            }
+            let target = *index.entry(next).or_insert_with(|| {
+                states.push(next);
+                comes_from.push(Vec::new());
+                states.len() - 1
+            });
+            comes_from[target].push(next_unvisited);
+        }
+        next_unvisited += 1;
+    }
+    let mut finishable = vec![false; states.len()];
+    let mut pending: Vec<usize> = (0..states.len())
+        .filter(|&i| dfa.is_match_state(dfa.next_eoi_state(states[i])))
+        .collect();
+    for &i in &pending {
+        finishable[i] = true;
+    }
+    while let Some(i) = pending.pop() {
+        for &before in &comes_from[i] {
+            if !finishable[before] {
+                finishable[before] = true;
+                pending.push(before);
+            }
+        }
+    }
+    states
+        .into_iter()
+        .zip(finishable)
+        .filter(|(_, yes)| *yes)
+        .map(|(state, _)| state)
+        .collect()
 }
 
 /// `error` and what caused it (regex-automata's own message is only "error building NFA"; the
