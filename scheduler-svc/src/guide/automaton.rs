@@ -97,10 +97,6 @@ impl Guide {
         self.dfa.is_match_state(self.dfa.next_eoi_state(self.start))
     }
 
-    pub fn pattern(&self) -> &str {
-        &self.pattern
-    }
-
     /// Where every output starts.
     pub fn start(&self) -> GuideState {
         GuideState(Some(self.start))

@@ -88,35 +88,42 @@ impl Guides {
 
     /// What an earlier request of the same pattern compiled to, if one did.
     pub fn cached(&self, request: &GuideRequest) -> Option<Result<Arc<Guide>, GuideError>> {
-        let pattern = pattern(request).ok()?;
-        self.compiled
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&pattern)
-            .cloned()
+        self.lookup(&pattern(request).ok()?)
     }
 
     /// [`Self::compile`], off the async runtime's worker threads where it runs on one (compiling
     /// may take seconds, a DFA being determinized up to its limit), so that other requests and
     /// `/health` are served meanwhile; a pattern compiled before is simply taken.
     pub fn compile_off_runtime(&self, request: &GuideRequest) -> Result<Arc<Guide>, GuideError> {
-        if let Some(outcome) = self.cached(request) {
+        let pattern = pattern(request)?;
+        if let Some(outcome) = self.lookup(&pattern) {
             return outcome;
         }
+        let build = || self.build(pattern, request);
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) if runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(|| self.compile(request))
+                tokio::task::block_in_place(build)
             }
-            _ => self.compile(request),
+            _ => build(),
         }
     }
 
     /// The guide for `request`, compiled now or taken from an earlier request's.
     pub fn compile(&self, request: &GuideRequest) -> Result<Arc<Guide>, GuideError> {
         let pattern = pattern(request)?;
-        if let Some(outcome) = self.compiled.lock().unwrap_or_else(|e| e.into_inner()).get(&pattern) {
-            return outcome.clone();
-        }
+        self.lookup(&pattern).unwrap_or_else(|| self.build(pattern, request))
+    }
+
+    fn lookup(&self, pattern: &str) -> Option<Result<Arc<Guide>, GuideError>> {
+        self.compiled
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(pattern)
+            .cloned()
+    }
+
+    /// `pattern` (`request`'s) compiled, and kept with its outcome.
+    fn build(&self, pattern: String, request: &GuideRequest) -> Result<Arc<Guide>, GuideError> {
         let json = matches!(request.spec, GuideSpec::JsonSchema(_) | GuideSpec::JsonObject);
         let outcome = Guide::compile(pattern.clone(), Arc::clone(&self.vocabulary))
             // An empty JSON schema translation (`"enum": []`) would end every output at once.
