@@ -13,7 +13,7 @@ fuzz_target!(|data: &[u8]| {
         let Ok(body) = serde_json::from_slice::<GenerationBody>(data) else {
             return;
         };
-        if let Ok(drafts) = to_drafts(endpoint, "fuzz".to_owned(), body) {
+        if let Ok((drafts, _)) = to_drafts(endpoint, "fuzz".to_owned(), body) {
             for draft in drafts {
                 // A structured output's translation into one regular expression (outlines-core's
                 // for JSON schemas, the refusal of recursive ones, the formats spelled out); the

@@ -384,6 +384,74 @@ for body, param in [
         check(error.body["param"] == param, f"{body}: {error.body}")
 print("structured outputs: a schema, any object, choices (whole and streamed), a regex; bad ones refused")
 
+# --- tool calls: a named function, "required" (a list of calls), "auto" as text; agent loops
+weather_tool = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                   "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
+time_tool = {"type": "function", "function": {"name": "get_time", "description": "The time now"}}
+question = ask("What is the weather in Paris?")
+named = client.chat.completions.create(
+    model=model, messages=question, temperature=0.0, max_tokens=60, tools=[weather_tool, time_tool],
+    tool_choice={"type": "function", "function": {"name": "get_weather"}},
+).choices[0]
+call = named.message.tool_calls[0]
+arguments = json.loads(call.function.arguments)
+check(len(named.message.tool_calls) == 1 and call.function.name == "get_weather" and call.type == "function", f"{named}")
+check(list(arguments) == ["city", "unit"] and arguments["unit"] in ("celsius", "fahrenheit"), f"{arguments}")
+check(call.id.startswith("chatcmpl-tool-") and not named.message.content and named.finish_reason == "stop", f"{named}")
+parts = [
+    chunk.choices[0].delta
+    for chunk in client.chat.completions.create(
+        model=model, messages=question, temperature=0.0, max_tokens=60, tools=[weather_tool, time_tool],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True,
+    )
+    if chunk.choices and chunk.choices[0].delta.tool_calls
+]
+check(parts[0].tool_calls[0].function.name == "get_weather" and parts[0].tool_calls[0].id, f"opens the call: {parts[0]}")
+streamed_arguments = "".join(part.tool_calls[0].function.arguments for part in parts)
+check(streamed_arguments == call.function.arguments, f"streamed as whole: {streamed_arguments!r}")
+required = client.chat.completions.create(
+    model=model, messages=question, temperature=0.0, max_tokens=120, tools=[weather_tool, time_tool],
+    tool_choice="required",
+).choices[0]
+calls = required.message.tool_calls
+check(required.finish_reason == "tool_calls" and len(calls) >= 1, f"{required}")
+for made in calls:
+    check(made.function.name in ("get_weather", "get_time"), f"{made}")
+    made_arguments = json.loads(made.function.arguments)
+    wanted = [] if made.function.name == "get_time" else ["city", "unit"]
+    check(list(made_arguments) == wanted, f"{made}")
+check(len({made.id for made in calls}) == len(calls), f"distinct ids: {calls}")
+one_call = client.chat.completions.create(
+    model=model, messages=question, temperature=0.0, max_tokens=120, tools=[weather_tool, time_tool],
+    tool_choice="required", parallel_tool_calls=False, stream=True,
+)
+streamed_calls = [tc for chunk in one_call if chunk.choices for tc in (chunk.choices[0].delta.tool_calls or [])]
+check(len(streamed_calls) == 1 and streamed_calls[0].index == 0, f"one call: {streamed_calls}")
+auto = client.chat.completions.create(model=model, messages=question, temperature=0.0, max_tokens=8, tools=[weather_tool])
+check(auto.choices[0].message.tool_calls is None and auto.choices[0].message.content, f"auto is text: {auto}")
+# The calls and their results sent back, as an agent loop does; the answer is text.
+follow_up = client.chat.completions.create(
+    model=model, temperature=0.0, max_tokens=8, tools=[weather_tool, time_tool], messages=question + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+    ],
+).choices[0]
+check(follow_up.message.content and follow_up.message.tool_calls is None, f"{follow_up}")
+for body, param in [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [time_tool], "tool_choice": {"type": "function", "function": {"name": "get_news"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "two words"}}]}, "tools"),
+    ({"tools": [time_tool], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+]:
+    try:
+        client.chat.completions.create(model=model, messages=question, max_tokens=4, extra_body=body)
+        check(False, f"refused: {body}")
+    except openai.BadRequestError as error:
+        check(error.body["param"] == param, f"{body}: {error.body}")
+print("tool calls: named (whole and streamed), required (a list; one without parallel calls), auto as text, a loop")
+
 # --- errors in OpenAI's shape
 try:
     client.completions.create(model=model, prompt=prompt, temperature=-1)

@@ -26,9 +26,9 @@ pub const MAX_STOP_STRINGS: usize = 8;
 pub const MAX_STOP_TOKEN_IDS: usize = 16;
 
 /// The roles a chat message may have (`developer` renamed `system` where the template does not
-/// name it, as vLLM does): tool calls and their results are not supported, so `tool` and
-/// `function` are refused rather than rendered as text the model would misread.
-const CHAT_ROLES: [&str; 4] = ["system", "developer", "user", "assistant"];
+/// name it, as vLLM does; `tool` for a function's result sent back after its call, rendered as
+/// the template renders any role). OpenAI's deprecated `function` role is refused.
+const CHAT_ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
 /// What the prompt is, as the client sent it.
 #[derive(Debug, Clone, PartialEq)]
@@ -320,7 +320,10 @@ impl Validator {
         if let Some(bad) = messages.iter().find(|m| !CHAT_ROLES.contains(&m.role.as_str())) {
             return Err(ValidationError::invalid(
                 Field::Messages,
-                format!("unknown role {:?} (system, developer, user or assistant)", bad.role),
+                format!(
+                    "unknown role {:?} (system, developer, user, assistant or tool)",
+                    bad.role
+                ),
             ));
         }
         template

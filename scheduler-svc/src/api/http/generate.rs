@@ -24,6 +24,7 @@ use super::openai::{
     PromptTokensDetails, ResponseBody, UsageBody,
 };
 use super::prompt_echo::{echoed_text, push_echoed_logprobs, vllm_prompt_logprobs, PromptEcho};
+use super::tool_calls::{CallsOrText, ToolCallBuilder};
 use super::translate::{output_limit, to_drafts, Endpoint};
 use super::{unix_seconds, HttpState, RequestId};
 use crate::api::tracking::{openai_finish_reason, TrackedRequest};
@@ -82,7 +83,7 @@ async fn generate(
         Ok(echo) => echo,
         Err(error) => return error.into_response(),
     };
-    let drafts = match to_drafts(endpoint, id.clone(), body) {
+    let (drafts, tool_output) = match to_drafts(endpoint, id.clone(), body) {
         Ok(drafts) => drafts,
         Err(error) => return error.into_response(),
     };
@@ -137,6 +138,7 @@ async fn generate(
             prompt_scores: requests[index - index % per_prompt]
                 .prompt_logprobs()
                 .map(<[_]>::to_vec),
+            tool_calls: tool_output.clone().map(ToolCallBuilder::new),
         })
         .collect();
     let usage = UsageTotals::new(per_prompt);
@@ -325,6 +327,7 @@ fn stream_response(
                     delta: Some(AssistantMessage {
                         role: Some("assistant"),
                         content: Some(String::new()),
+                        tool_calls: None,
                     }),
                     ..empty_choice()
                 };
@@ -361,7 +364,10 @@ fn stream_response(
                 } => {
                     if !text.is_empty() || !token_ids.is_empty() || builder.echoed.is_some() {
                         let choice = builder.choice(text, token_ids, &logprobs, None, true);
-                        out.push(json_event(&response.body(object, vec![choice], chunk_usage())));
+                        // A list of tool calls says nothing until it is whole.
+                        if !choice.says_nothing() {
+                            out.push(json_event(&response.body(object, vec![choice], chunk_usage())));
+                        }
                     }
                 }
                 SequenceEvent::Finished {
@@ -446,6 +452,8 @@ struct ChoiceBuilder {
     echoed: Option<EchoedPrompt>,
     /// The prompt's logprobs, once the engine sent them.
     prompt_scores: Option<Vec<PromptTokenLogprob>>,
+    /// Chat's, where `tool_choice` makes the output function calls.
+    tool_calls: Option<ToolCallBuilder>,
 }
 
 /// The prompt an `echo` repeats: its text as given (token ids decoded) and its tokens.
@@ -493,7 +501,7 @@ impl ChoiceBuilder {
         if let Some(prompt) = &echoed {
             text.insert_str(0, &prompt.text);
         }
-        let finish_reason = finish.as_ref().map(|(reason, _)| openai_finish_reason(*reason));
+        let mut finish_reason = finish.as_ref().map(|(reason, _)| openai_finish_reason(*reason));
         // vLLM's `stop_reason`: the stop string or stop token id that ended the output; and, as
         // OpenAI's `finish_reason` has no word for the confidence stop ("stop"), "low_confidence".
         let stop_reason = match finish {
@@ -519,9 +527,31 @@ impl ChoiceBuilder {
                 ..empty_choice()
             },
             Endpoint::Chat => {
+                let (content, tool_calls) = match self.tool_calls.as_mut() {
+                    None => ((!delta || !text.is_empty()).then_some(text), None),
+                    Some(calls) => {
+                        let said = if delta {
+                            calls.delta(text, finish_reason.is_some())
+                        } else {
+                            Some(calls.whole(text))
+                        };
+                        match said {
+                            None => (None, None),
+                            Some(CallsOrText::Text(text)) => (Some(text), None),
+                            Some(CallsOrText::Calls(made)) => {
+                                if calls.finishes_as_calls(finish_reason == Some("stop")) {
+                                    finish_reason = Some("tool_calls");
+                                }
+                                // vLLM's message beside its calls: empty content.
+                                ((!delta).then(String::new), Some(made))
+                            }
+                        }
+                    }
+                };
                 let content = AssistantMessage {
                     role: (!delta).then_some("assistant"),
-                    content: (!delta || !text.is_empty()).then_some(text),
+                    content,
+                    tool_calls,
                 };
                 let (message, delta) = if delta {
                     (None, Some(content))

@@ -14,6 +14,7 @@ pub mod openai;
 pub mod prompt_echo;
 pub mod structured_output;
 pub mod tokenize;
+pub mod tool_calls;
 pub mod translate;
 
 use axum::extract::{Request, State};

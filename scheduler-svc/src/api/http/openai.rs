@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::lax_integer;
+use super::tool_calls::ToolCall;
 use crate::token_piece::{CharOffsets, TokenPiece};
 use crate::tokenizer::ModelTokenizer;
 
@@ -84,9 +85,14 @@ pub struct ContentPart {
 #[serde(deny_unknown_fields)]
 pub struct InputMessage {
     pub role: String,
-    pub content: MessageContent,
+    /// May be null on an assistant's message that made tool calls.
+    pub content: Option<MessageContent>,
     /// A participant's name: accepted, not shown to the model (the chat template has no place for it).
     pub name: Option<String>,
+    /// An assistant's earlier calls (`tool_calls` of a response, sent back in the conversation).
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` message's: the call it answers. Accepted, not shown to the model.
+    pub tool_call_id: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -289,6 +295,8 @@ pub struct AssistantMessage {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 /// One choice of a response or chunk; `text` for completions, `message` / `delta` for chat.
@@ -316,6 +324,22 @@ pub struct Choice {
     /// object per token from token ids to [`PromptLogprobEntry`].
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<serde_json::Value>,
+}
+
+impl Choice {
+    /// A stream's chunk for this choice would carry nothing: no text or calls, no logprobs or
+    /// ids, no finish.
+    pub fn says_nothing(&self) -> bool {
+        let empty_delta = self
+            .delta
+            .as_ref()
+            .is_some_and(|delta| delta.content.is_none() && delta.tool_calls.is_none());
+        empty_delta
+            && self.logprobs.is_none()
+            && self.finish_reason.is_none()
+            && self.token_ids.is_none()
+            && self.prompt_token_ids.is_none()
+    }
 }
 
 /// A whole response or one streamed chunk.

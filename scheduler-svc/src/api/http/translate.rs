@@ -5,6 +5,7 @@ use super::errors::ApiError;
 use super::openai::{GenerationBody, InputMessage, LogprobsInput, MessageContent, PriorityInput, PromptInput};
 use super::prompt_echo::PromptEcho;
 use super::structured_output;
+use super::tool_calls::{self, ToolOutput};
 use crate::api::validation::{chat_ending, Field, Prompt, RequestDraft, SamplingDraft, StoppingDraft};
 use crate::chat_template::ChatMessage;
 use crate::request::Priority;
@@ -62,7 +63,7 @@ fn unsupported(param: &'static str, what: &str) -> ApiError {
 }
 
 /// Refuses every OpenAI parameter Rivulet does not implement, unless it asks for the default.
-fn refuse_unsupported(body: &GenerationBody) -> Result<(), ApiError> {
+fn refuse_unsupported(endpoint: Endpoint, body: &GenerationBody) -> Result<(), ApiError> {
     if body.n == Some(0) {
         return Err(ApiError::bad_request("n", "n: must be at least 1"));
     }
@@ -110,21 +111,39 @@ fn refuse_unsupported(body: &GenerationBody) -> Result<(), ApiError> {
         Some(_) => false,
     };
     // Without tools, `tool_choice: "auto"` and `parallel_tool_calls` change nothing (agent
-    // frameworks send them by default); tools themselves are refused.
+    // frameworks send them by default). Chat's tools are `tool_calls`'; completions have none,
+    // and OpenAI's deprecated `functions` are refused.
     let harmless_choice = |value: &Option<serde_json::Value>| {
         absent_or_none(value) || value.as_ref().and_then(|v| v.as_str()) == Some("auto")
     };
     let no_tools = |value: &Option<serde_json::Value>| {
         absent_or_none(value) || value == &Some(serde_json::Value::Array(Vec::new()))
     };
-    for (param, refused) in [
-        ("tools", !no_tools(&body.tools)),
-        ("functions", !no_tools(&body.functions)),
-        ("tool_choice", !harmless_choice(&body.tool_choice)),
-        ("function_call", !harmless_choice(&body.function_call)),
+    let completions = endpoint == Endpoint::Completions;
+    for (param, refused, what) in [
+        (
+            "tools",
+            completions && !no_tools(&body.tools),
+            "tools on completions (chat takes them)",
+        ),
+        (
+            "tool_choice",
+            completions && !harmless_choice(&body.tool_choice),
+            "tool_choice on completions (chat takes it)",
+        ),
+        (
+            "functions",
+            !no_tools(&body.functions),
+            "functions (send them as tools)",
+        ),
+        (
+            "function_call",
+            !harmless_choice(&body.function_call),
+            "function_call (send it as tool_choice)",
+        ),
     ] {
         if refused {
-            return Err(unsupported(param, "tool and function calling"));
+            return Err(unsupported(param, what));
         }
     }
     Ok(())
@@ -183,10 +202,21 @@ pub fn chat_prompt(
 ) -> Result<Prompt, ApiError> {
     let messages = messages.ok_or_else(|| ApiError::bad_request("messages", "messages: is required"))?;
     let mut converted = Vec::with_capacity(messages.len());
-    for message in messages {
+    for (index, message) in messages.into_iter().enumerate() {
         let content = match message.content {
-            MessageContent::Text(text) => text,
-            MessageContent::Parts(parts) => {
+            // An assistant's turn of calls alone shows the model its calls, as the JSON they
+            // came back as (a template with no place for calls would show it nothing).
+            None => match message.tool_calls {
+                Some(calls) if message.role == "assistant" => serde_json::Value::Array(calls).to_string(),
+                _ => {
+                    return Err(ApiError::bad_request(
+                        "messages",
+                        format!("messages[{index}].content: is required (null only beside an assistant's tool_calls)"),
+                    ))
+                }
+            },
+            Some(MessageContent::Text(text)) => text,
+            Some(MessageContent::Parts(parts)) => {
                 // The text parts joined by newlines, as vLLM joins them.
                 let mut texts = Vec::with_capacity(parts.len());
                 for part in parts {
@@ -266,10 +296,19 @@ fn priority(input: Option<PriorityInput>) -> Result<Priority, ApiError> {
 /// A body for `endpoint` as the domain's drafts: one per choice, prompt by prompt, `n` choices
 /// each (OpenAI's order: choice `prompt · n + j`). With a `seed`, choice `j` of a prompt samples
 /// with `seed + j`, so that its choices differ and a rerun gives the same ones. Only the first
-/// draft keeps `id`; the others are `id-1`, `id-2`, … (their log lines and summaries).
-pub fn to_drafts(endpoint: Endpoint, id: String, body: GenerationBody) -> Result<Vec<RequestDraft>, ApiError> {
+/// draft keeps `id`; the others are `id-1`, `id-2`, … (their log lines and summaries). Beside
+/// them, what a chat request's `tool_choice` makes of each choice's output (`tool_calls`).
+pub fn to_drafts(
+    endpoint: Endpoint,
+    id: String,
+    body: GenerationBody,
+) -> Result<(Vec<RequestDraft>, Option<ToolOutput>), ApiError> {
     let n = body.n.unwrap_or(1) as usize;
-    let (first, prompts) = to_draft(endpoint, id, body)?;
+    let FirstDraft {
+        draft: first,
+        prompts,
+        tool_output,
+    } = to_draft(endpoint, id, body)?;
     if prompts.len().saturating_mul(n) > MAX_CHOICES {
         return Err(ApiError::bad_request(
             "n",
@@ -291,7 +330,7 @@ pub fn to_drafts(endpoint: Endpoint, id: String, body: GenerationBody) -> Result
             drafts.push(draft);
         }
     }
-    Ok(drafts)
+    Ok((drafts, tool_output))
 }
 
 /// OpenAI's `logit_bias`: an object from token ids (strings, as JSON keys are) to numbers.
@@ -314,9 +353,16 @@ fn logit_bias(bias: Option<serde_json::Map<String, serde_json::Value>>) -> Resul
         .collect()
 }
 
-/// The draft of the first prompt, and every prompt of the request.
-fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<(RequestDraft, Vec<Prompt>), ApiError> {
-    refuse_unsupported(&body)?;
+/// A request read: the draft of its first prompt, every prompt, and what its tool choice makes
+/// of the output.
+struct FirstDraft {
+    draft: RequestDraft,
+    prompts: Vec<Prompt>,
+    tool_output: Option<ToolOutput>,
+}
+
+fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<FirstDraft, ApiError> {
+    refuse_unsupported(endpoint, &body)?;
     let echo = PromptEcho::from_body(endpoint, &body)?;
     // The prompt alone: one token generated and left out of the response, as vLLM does.
     let max_new_tokens = match output_limit(endpoint, &body) {
@@ -349,6 +395,11 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
         }
     };
     let guide = structured_output::from_body(&mut body)?;
+    // Tools on completions were refused above.
+    let (guide, tool_output) = match tool_calls::from_body(&mut body, guide.is_some())? {
+        Some((calls, output)) => (Some((calls, "tools")), Some(output)),
+        None => (guide, None),
+    };
     let (logprobs, top_logprobs) = match (endpoint, body.logprobs, body.top_logprobs) {
         (_, None, None) => (false, 0),
         (Endpoint::Completions, Some(LogprobsInput::Count(count)), None) => (true, count),
@@ -419,7 +470,11 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
         },
         priority: priority(body.priority)?,
     };
-    Ok((draft, prompts))
+    Ok(FirstDraft {
+        draft,
+        prompts,
+        tool_output,
+    })
 }
 
 #[cfg(test)]

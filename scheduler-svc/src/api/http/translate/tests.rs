@@ -10,7 +10,7 @@ fn body(json: serde_json::Value) -> GenerationBody {
 
 /// The first choice's draft.
 fn to_draft(endpoint: Endpoint, id: String, body: GenerationBody) -> Result<RequestDraft, ApiError> {
-    to_drafts(endpoint, id, body).map(|mut drafts| drafts.remove(0))
+    to_drafts(endpoint, id, body).map(|(mut drafts, _)| drafts.remove(0))
 }
 
 fn refused(endpoint: Endpoint, json: serde_json::Value) -> Option<String> {
@@ -129,7 +129,8 @@ fn prompts_and_n_fan_out_into_one_draft_per_choice() {
         "id".to_owned(),
         body(serde_json::json!({"prompt": ["a", "b"], "n": 3, "seed": 7, "best_of": 3})),
     )
-    .expect("a batch");
+    .expect("a batch")
+    .0;
     let described: Vec<_> = drafts
         .iter()
         .map(|d| (d.id.as_str(), d.prompt.clone(), d.sampling.seed))
@@ -151,7 +152,8 @@ fn prompts_and_n_fan_out_into_one_draft_per_choice() {
         "id".to_owned(),
         body(serde_json::json!({"messages": [{"role": "user", "content": "x"}], "n": 2})),
     )
-    .expect("chat choices");
+    .expect("chat choices")
+    .0;
     assert_eq!((chat.len(), chat[1].sampling.seed), (2, None));
     let too_many = serde_json::json!({"prompt": ["a", "b"], "n": MAX_CHOICES / 2 + 1});
     assert_eq!(refused(Endpoint::Completions, too_many), Some("n".to_owned()));
@@ -229,7 +231,7 @@ fn a_value_of_the_wrong_shape_is_told_what_the_field_takes() {
         (serde_json::json!({"stop": 5}), "a string or an array of strings"),
         (serde_json::json!({"prompt": [1, "a"]}), "an array of token ids"),
         (
-            serde_json::json!({"messages": [{"role": "user", "content": null}]}),
+            serde_json::json!({"messages": [{"role": "user", "content": 5}]}),
             "a string or an array of content parts",
         ),
         (serde_json::json!({"priority": 1.5}), "or an integer"),
@@ -379,5 +381,52 @@ fn whole_floats_count_as_integers_in_every_integer_shape() {
         serde_json::json!({"prompt": "x", "stop_token_ids": [1.5]}),
     ] {
         assert!(serde_json::from_value::<GenerationBody>(fraction).is_err());
+    }
+}
+
+#[test]
+fn a_conversation_may_hold_tool_calls_and_their_results() {
+    let call = serde_json::json!({"id": "c1", "type": "function",
+        "function": {"name": "get_time", "arguments": "{}"}});
+    let draft = to_draft(
+        Endpoint::Chat,
+        "id".to_owned(),
+        body(serde_json::json!({"messages": [
+            {"role": "user", "content": "What time is it?"},
+            {"role": "assistant", "content": null, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+        ]})),
+    )
+    .expect("taken");
+    let Prompt::Messages { messages, .. } = draft.prompt else {
+        panic!("a conversation")
+    };
+    let described: Vec<(&str, &str)> = messages.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
+    let shown = serde_json::Value::Array(vec![call]).to_string();
+    assert_eq!(
+        described,
+        vec![
+            ("user", "What time is it?"),
+            ("assistant", shown.as_str()),
+            ("tool", "noon")
+        ]
+    );
+    // Null content only beside an assistant's calls.
+    for messages in [
+        serde_json::json!([{"role": "user", "content": null}]),
+        serde_json::json!([{"role": "user", "content": null, "tool_calls": []}]),
+        serde_json::json!([{"role": "assistant"}]),
+    ] {
+        let json = serde_json::json!({ "messages": messages });
+        assert_eq!(refused(Endpoint::Chat, json), Some("messages".to_owned()));
+    }
+    // Tools belong to chat.
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
+    for extra in [
+        serde_json::json!({"prompt": "x", "tools": tools}),
+        serde_json::json!({"prompt": "x", "tool_choice": "required"}),
+    ] {
+        let param = extra.as_object().and_then(|o| o.keys().nth(1).cloned());
+        assert_eq!(refused(Endpoint::Completions, extra), param);
     }
 }
