@@ -439,6 +439,26 @@ follow_up = client.chat.completions.create(
     ],
 ).choices[0]
 check(follow_up.message.content and follow_up.message.tool_calls is None, f"{follow_up}")
+# The response's own message sent back as the package dumps it (empty content, `refusal`, ...):
+# the model is shown the same calls.
+dumped = client.chat.completions.create(
+    model=model, temperature=0.0, max_tokens=8, tools=[weather_tool, time_tool], messages=question + [
+        named.message.model_dump(), {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+    ],
+)
+loop = client.chat.completions.create(
+    model=model, temperature=0.0, max_tokens=8, tools=[weather_tool, time_tool], messages=question + [
+        {"role": "assistant", "content": None, "tool_calls": [tc.model_dump() for tc in named.message.tool_calls]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+    ],
+)
+silent = client.chat.completions.create(
+    model=model, temperature=0.0, max_tokens=8, messages=question + [
+        {"role": "assistant", "content": ""}, {"role": "tool", "content": "18 degrees and sunny"},
+    ],
+)
+shown_calls = dumped.usage.prompt_tokens - silent.usage.prompt_tokens
+check(dumped.usage.prompt_tokens == loop.usage.prompt_tokens and shown_calls > 10, f"{dumped.usage} vs {loop.usage}, {silent.usage}")
 for body, param in [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [time_tool], "tool_choice": {"type": "function", "function": {"name": "get_news"}}}, "tool_choice"),

@@ -21,6 +21,11 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// 400 naming `param`, its message `param: problem`.
+    pub fn invalid(param: &'static str, problem: impl std::fmt::Display) -> Self {
+        Self::bad_request(param, format!("{param}: {problem}"))
+    }
+
     pub fn bad_request(param: &'static str, message: impl Into<String>) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,

@@ -364,8 +364,9 @@ fn stream_response(
                 } => {
                     if !text.is_empty() || !token_ids.is_empty() || builder.echoed.is_some() {
                         let choice = builder.choice(text, token_ids, &logprobs, None, true);
-                        // A list of tool calls says nothing until it is whole.
-                        if !choice.says_nothing() {
+                        // A list of tool calls says nothing until it is whole (plain text's
+                        // chunks go out as before, an empty delta included, as vLLM's do).
+                        if builder.tool_calls.is_none() || !choice.says_nothing() {
                             out.push(json_event(&response.body(object, vec![choice], chunk_usage())));
                         }
                     }

@@ -93,6 +93,16 @@ pub struct InputMessage {
     pub tool_calls: Option<Vec<serde_json::Value>>,
     /// A `tool` message's: the call it answers. Accepted, not shown to the model.
     pub tool_call_id: Option<String>,
+    // A response's message sent back as the `openai` package dumps it (`message.model_dump()`):
+    // its other fields, taken and not shown to the model.
+    #[allow(dead_code)]
+    pub refusal: Option<String>,
+    #[allow(dead_code)]
+    pub annotations: Option<Vec<serde_json::Value>>,
+    #[allow(dead_code)]
+    pub audio: Option<serde_json::Value>,
+    /// OpenAI's deprecated call: refused unless null (calls go in `tool_calls`).
+    pub function_call: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -48,18 +48,19 @@ struct JsonSchemaFormat {
     strict: Option<bool>,
 }
 
-fn invalid(param: &'static str, problem: impl std::fmt::Display) -> ApiError {
-    ApiError::bad_request(param, format!("{param}: {problem}"))
-}
-
 /// A JSON schema given as an object, or as a string holding one (vLLM takes both).
 fn schema(param: &'static str, value: Value) -> Result<GuideSpec, ApiError> {
     let schema = match value {
         Value::String(text) => {
-            serde_json::from_str(&text).map_err(|e| invalid(param, format!("not a JSON schema: {e}")))?
+            serde_json::from_str(&text).map_err(|e| ApiError::invalid(param, format!("not a JSON schema: {e}")))?
         }
         Value::Object(_) | Value::Bool(_) => value,
-        other => return Err(invalid(param, format!("a JSON schema is an object, not {other}"))),
+        other => {
+            return Err(ApiError::invalid(
+                param,
+                format!("a JSON schema is an object, not {other}"),
+            ))
+        }
     };
     Ok(GuideSpec::JsonSchema(schema))
 }
@@ -75,31 +76,34 @@ fn response_format(format: Value) -> Result<Option<GuideSpec>, ApiError> {
             let inner = format
                 .get("json_schema")
                 .cloned()
-                .ok_or_else(|| invalid(PARAM, "type json_schema needs its \"json_schema\" object"))?;
+                .ok_or_else(|| ApiError::invalid(PARAM, "type json_schema needs its \"json_schema\" object"))?;
             let inner: JsonSchemaFormat =
-                serde_json::from_value(inner).map_err(|e| invalid(PARAM, format!("json_schema: {e}")))?;
+                serde_json::from_value(inner).map_err(|e| ApiError::invalid(PARAM, format!("json_schema: {e}")))?;
             let schema_value = inner
                 .schema
-                .ok_or_else(|| invalid(PARAM, "json_schema needs its \"schema\""))?;
+                .ok_or_else(|| ApiError::invalid(PARAM, "json_schema needs its \"schema\""))?;
             schema(PARAM, schema_value).map(Some)
         }
-        Some("structural_tag") => Err(invalid(PARAM, "structural tags are not supported")),
-        _ => Err(invalid(PARAM, "type must be text, json_object or json_schema")),
+        Some("structural_tag") => Err(ApiError::invalid(PARAM, "structural tags are not supported")),
+        _ => Err(ApiError::invalid(
+            PARAM,
+            "type must be text, json_object or json_schema",
+        )),
     }
 }
 
 /// vLLM's `structured_outputs` object: exactly one of its kinds.
 fn structured_outputs(value: Value) -> Result<(Option<GuideSpec>, Option<String>), ApiError> {
     const PARAM: &str = "structured_outputs";
-    let outputs: StructuredOutputs = serde_json::from_value(value).map_err(|e| invalid(PARAM, e))?;
+    let outputs: StructuredOutputs = serde_json::from_value(value).map_err(|e| ApiError::invalid(PARAM, e))?;
     if outputs.grammar.is_some() {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             PARAM,
             "grammar is not supported (a JSON schema, regex or choice is)",
         ));
     }
     if outputs.structural_tag.is_some() {
-        return Err(invalid(PARAM, "structural_tag is not supported"));
+        return Err(ApiError::invalid(PARAM, "structural_tag is not supported"));
     }
     let mut kinds = Vec::new();
     if let Some(json) = outputs.json {
@@ -115,7 +119,10 @@ fn structured_outputs(value: Value) -> Result<(Option<GuideSpec>, Option<String>
         kinds.push(GuideSpec::JsonObject);
     }
     if kinds.len() != 1 {
-        return Err(invalid(PARAM, "give one of json, regex, choice and json_object: true"));
+        return Err(ApiError::invalid(
+            PARAM,
+            "give one of json, regex, choice and json_object: true",
+        ));
     }
     Ok((kinds.pop(), outputs.whitespace_pattern))
 }
@@ -123,7 +130,7 @@ fn structured_outputs(value: Value) -> Result<(Option<GuideSpec>, Option<String>
 /// The structured output `body` asks for, and the parameter it asked by; `None` for none.
 pub fn from_body(body: &mut GenerationBody) -> Result<Option<(GuideRequest, &'static str)>, ApiError> {
     if body.guided_grammar.is_some() {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "guided_grammar",
             "grammars are not supported (a JSON schema, regex or choice is)",
         ));
@@ -154,7 +161,7 @@ pub fn from_body(body: &mut GenerationBody) -> Result<Option<(GuideRequest, &'st
             .map(|(spec, param)| (GuideRequest { spec, whitespace }, param))),
         _ => {
             let params: Vec<&str> = asked.iter().map(|(_, param)| *param).collect();
-            Err(invalid(
+            Err(ApiError::invalid(
                 asked[1].1,
                 format!(
                     "one structured output a request; this one asks by {}",

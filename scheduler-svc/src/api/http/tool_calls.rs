@@ -1,4 +1,5 @@
-//! OpenAI's function calling on chat, as vLLM serves it without a tool-call parser.
+//! OpenAI's function calling on chat: named and "required" calls as vLLM makes them (structured
+//! outputs over the tools' schemas, its `get_json_schema_from_tools`), "auto" as text.
 //!
 //! `tool_choice` naming a function makes the output that function's arguments: a JSON object
 //! held to its `parameters` schema by a structured output (`crate::guide`), returned as one call
@@ -7,8 +8,7 @@
 //! `parallel_tool_calls` is false), returned as one entry each with `finish_reason`
 //! "tool_calls". `"none"` and `"auto"` (the default where tools are given) leave the output as
 //! text: finding calls in free text takes a parser for the model's own call syntax, which
-//! SmolLM2-135M has none of; vLLM started without `--enable-auto-tool-choice` answers "auto"
-//! with text too. The default model's chat template shows no tools to the model (it has no place
+//! SmolLM2-135M has none of; vLLM without a tool-call parser answers with text too. The default model's chat template shows no tools to the model (it has no place
 //! for them), so the calls it makes follow their schemas but not their descriptions.
 
 use serde::Deserialize;
@@ -64,10 +64,6 @@ struct NamedFunction {
     name: String,
 }
 
-fn invalid(param: &'static str, problem: impl std::fmt::Display) -> ApiError {
-    ApiError::bad_request(param, format!("{param}: {problem}"))
-}
-
 /// OpenAI's rule for a function's name: 1 to 64 letters, digits, `_` or `-`.
 fn valid_name(name: &str) -> bool {
     (1..=64).contains(&name.len())
@@ -85,33 +81,46 @@ struct Function {
 /// The functions of a chat request's `tools`.
 fn parse_tools(tools: Value) -> Result<Vec<Function>, ApiError> {
     const PARAM: &str = "tools";
-    let tools: Vec<Tool> = serde_json::from_value(tools).map_err(|e| invalid(PARAM, e))?;
+    let tools: Vec<Tool> = serde_json::from_value(tools).map_err(|e| ApiError::invalid(PARAM, e))?;
     let mut parsed: Vec<Function> = Vec::with_capacity(tools.len());
     for tool in tools {
         if tool.kind != "function" {
-            return Err(invalid(
+            return Err(ApiError::invalid(
                 PARAM,
                 format!("type {:?} is not supported (\"function\" is)", tool.kind),
             ));
         }
         let FunctionDefinition { name, parameters, .. } = tool.function;
         if !valid_name(&name) {
-            return Err(invalid(
+            return Err(ApiError::invalid(
                 PARAM,
                 format!("function name {name:?} must be 1 to 64 letters, digits, '_' or '-'"),
             ));
         }
         if parsed.iter().any(|known| known.name == name) {
-            return Err(invalid(PARAM, format!("function {name:?} is listed twice")));
+            return Err(ApiError::invalid(PARAM, format!("function {name:?} is listed twice")));
+        }
+        // Arguments are an object (OpenAI's rule): a schema of another type cannot describe them.
+        if let Some(kind) = parameters.as_ref().and_then(|p| p.get("type")) {
+            if kind != "object" {
+                return Err(ApiError::invalid(
+                    PARAM,
+                    format!("the parameters of function {name:?} must be an object's schema, not type {kind}"),
+                ));
+            }
         }
         parsed.push(Function { name, parameters });
     }
     Ok(parsed)
 }
 
-/// A function's parameters as a schema: none is an empty object (vLLM's reading).
+/// A function's parameters as a schema: none, or `{}`, is an empty object (vLLM's reading; `{}`
+/// as a schema would take any JSON value, `null` too).
 fn parameters_schema(parameters: Option<Map<String, Value>>) -> Value {
-    parameters.map_or_else(|| json!({"type": "object", "properties": {}}), Value::Object)
+    match parameters {
+        Some(parameters) if !parameters.is_empty() => Value::Object(parameters),
+        _ => json!({"type": "object", "properties": {}}),
+    }
 }
 
 /// vLLM's schema of a list of calls: each item one tool's `{"name", "parameters"}`, the tools'
@@ -122,7 +131,7 @@ fn calls_schema(tools: Vec<Function>, parallel: bool) -> Result<Value, ApiError>
     for Function { name, mut parameters } in tools {
         if let Some(defs) = parameters.as_mut().and_then(|p| p.remove("$defs")) {
             let Value::Object(defs) = defs else {
-                return Err(invalid(
+                return Err(ApiError::invalid(
                     "tools",
                     format!("$defs of function {name:?} must be an object"),
                 ));
@@ -130,7 +139,7 @@ fn calls_schema(tools: Vec<Function>, parallel: bool) -> Result<Value, ApiError>
             for (def_name, schema) in defs {
                 match definitions.get(&def_name) {
                     Some(known) if *known != schema => {
-                        return Err(invalid(
+                        return Err(ApiError::invalid(
                             "tools",
                             format!("$defs {def_name:?} differs between functions, which is not supported"),
                         ));
@@ -164,15 +173,18 @@ fn calls_schema(tools: Vec<Function>, parallel: bool) -> Result<Value, ApiError>
 }
 
 /// The calls a chat request asks for, and the structured output that makes them; `None` for
-/// text. Takes the tool fields out of `body`. `structured` says whether the request also asks
-/// for a structured output (`response_format`, `guided_*`), which a call cannot take besides
-/// its own.
-pub fn from_body(body: &mut GenerationBody, structured: bool) -> Result<Option<(GuideRequest, ToolOutput)>, ApiError> {
+/// text. Takes the tool fields out of `body`. `structured` names the parameter by which the
+/// request also asks for a structured output (`response_format`, `structured_outputs`,
+/// `guided_*`), which a call cannot take beside its own.
+pub fn from_body(
+    body: &mut GenerationBody,
+    structured: Option<&'static str>,
+) -> Result<Option<(GuideRequest, ToolOutput)>, ApiError> {
     let parallel = match body.parallel_tool_calls.take() {
         None | Some(Value::Null) => true,
         Some(Value::Bool(parallel)) => parallel,
         Some(other) => {
-            return Err(invalid(
+            return Err(ApiError::invalid(
                 "parallel_tool_calls",
                 format!("must be true or false, not {other}"),
             ))
@@ -188,7 +200,7 @@ pub fn from_body(body: &mut GenerationBody, structured: bool) -> Result<Option<(
             "none" | "auto" => None,
             "required" => Some(ToolOutput::Required),
             other => {
-                return Err(invalid(
+                return Err(ApiError::invalid(
                     "tool_choice",
                     format!("{other:?} is not one of \"none\", \"auto\", \"required\" or a named function"),
                 ))
@@ -196,13 +208,13 @@ pub fn from_body(body: &mut GenerationBody, structured: bool) -> Result<Option<(
         },
         Some(named) => {
             let named: NamedChoice = serde_json::from_value(named).map_err(|e| {
-                invalid(
+                ApiError::invalid(
                     "tool_choice",
                     format!("{e} (a named function is {{\"type\": \"function\", \"function\": {{\"name\": …}}}})"),
                 )
             })?;
             if named.kind != "function" {
-                return Err(invalid(
+                return Err(ApiError::invalid(
                     "tool_choice",
                     format!("type {:?} is not supported (\"function\" is)", named.kind),
                 ));
@@ -214,12 +226,21 @@ pub fn from_body(body: &mut GenerationBody, structured: bool) -> Result<Option<(
         return Ok(None);
     };
     if tools.is_empty() {
-        return Err(invalid("tool_choice", "a function call needs the functions in tools"));
-    }
-    if structured {
-        return Err(invalid(
+        return Err(ApiError::invalid(
             "tool_choice",
-            "a function call's arguments are a structured output already; leave out response_format and guided_*",
+            "a function call needs the functions in tools",
+        ));
+    }
+    if let Some(param) = structured {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            format!("a function call's arguments are a structured output already; leave out {param}"),
+        ));
+    }
+    if body.allowed_token_ids.is_some() {
+        return Err(ApiError::invalid(
+            "allowed_token_ids",
+            "a function call's arguments follow their schema, not a list of tokens (tool_choice)",
         ));
     }
     let schema = match &output {
@@ -227,7 +248,7 @@ pub fn from_body(body: &mut GenerationBody, structured: bool) -> Result<Option<(
             let function = tools
                 .into_iter()
                 .find(|known| known.name == *name)
-                .ok_or_else(|| invalid("tool_choice", format!("function {name:?} is not among the tools")))?;
+                .ok_or_else(|| ApiError::invalid("tool_choice", format!("function {name:?} is not among the tools")))?;
             parameters_schema(function.parameters)
         }
         ToolOutput::Required => calls_schema(tools, parallel)?,
@@ -278,7 +299,7 @@ fn whole_call(index: Option<u32>, name: String, arguments: String) -> ToolCall {
     }
 }
 
-/// A "required" output's list of calls.
+/// One entry of a "required" output's list of calls.
 #[derive(Deserialize)]
 struct CallText<'a> {
     name: String,

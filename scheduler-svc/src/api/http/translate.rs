@@ -203,18 +203,30 @@ pub fn chat_prompt(
     let messages = messages.ok_or_else(|| ApiError::bad_request("messages", "messages: is required"))?;
     let mut converted = Vec::with_capacity(messages.len());
     for (index, message) in messages.into_iter().enumerate() {
+        if message.function_call.as_ref().is_some_and(|call| !call.is_null()) {
+            return Err(unsupported(
+                "messages",
+                &format!("messages[{index}].function_call (send calls as tool_calls)"),
+            ));
+        }
+        let calls = match message.tool_calls {
+            Some(calls) if message.role != "assistant" && !calls.is_empty() => {
+                return Err(ApiError::bad_request(
+                    "messages",
+                    format!("messages[{index}].tool_calls: only an assistant's message makes calls"),
+                ));
+            }
+            Some(calls) if !calls.is_empty() => Some(serde_json::Value::Array(calls).to_string()),
+            _ => None,
+        };
         let content = match message.content {
-            // An assistant's turn of calls alone shows the model its calls, as the JSON they
-            // came back as (a template with no place for calls would show it nothing).
-            None => match message.tool_calls {
-                Some(calls) if message.role == "assistant" => serde_json::Value::Array(calls).to_string(),
-                _ => {
-                    return Err(ApiError::bad_request(
-                        "messages",
-                        format!("messages[{index}].content: is required (null only beside an assistant's tool_calls)"),
-                    ))
-                }
-            },
+            None if calls.is_some() => String::new(),
+            None => {
+                return Err(ApiError::bad_request(
+                    "messages",
+                    format!("messages[{index}].content: is required (null only beside an assistant's tool_calls)"),
+                ))
+            }
             Some(MessageContent::Text(text)) => text,
             Some(MessageContent::Parts(parts)) => {
                 // The text parts joined by newlines, as vLLM joins them.
@@ -241,6 +253,14 @@ pub fn chat_prompt(
                 }
                 texts.join("\n")
             }
+        };
+        // An assistant's calls are shown to the model as the JSON they came back as, after any
+        // text of its turn (a template with no place for calls would show it nothing; a
+        // response's calls come with empty content, and clients send both back as they were).
+        let content = match calls {
+            Some(calls) if content.is_empty() => calls,
+            Some(calls) => format!("{content}\n{calls}"),
+            None => content,
         };
         // Roles as sent: a `developer` message is renamed where the template does not name the
         // role, as vLLM renames it (`rivulet_text`'s chat template does that for both fronts).
@@ -396,7 +416,7 @@ fn to_draft(endpoint: Endpoint, id: String, mut body: GenerationBody) -> Result<
     };
     let guide = structured_output::from_body(&mut body)?;
     // Tools on completions were refused above.
-    let (guide, tool_output) = match tool_calls::from_body(&mut body, guide.is_some())? {
+    let (guide, tool_output) = match tool_calls::from_body(&mut body, guide.as_ref().map(|(_, param)| *param))? {
         Some((calls, output)) => (Some((calls, "tools")), Some(output)),
         None => (guide, None),
     };

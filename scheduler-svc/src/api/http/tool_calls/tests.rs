@@ -9,7 +9,7 @@ fn asked(extra: Value) -> Result<Option<(GuideRequest, ToolOutput)>, ApiError> {
         body[key] = value.clone();
     }
     let mut body: GenerationBody = serde_json::from_value(body).expect("a body");
-    from_body(&mut body, false)
+    from_body(&mut body, None)
 }
 
 fn weather() -> Value {
@@ -64,6 +64,18 @@ fn a_named_call_is_its_parameters_and_no_parameters_an_empty_object() {
     .expect("taken")
     .expect("a call");
     assert!(matches(&guide, "{}"));
+    // `{}` as parameters is no parameters, not any value.
+    let empty = json!({"type": "function", "function": {"name": "ping", "parameters": {}}});
+    for choice in [
+        json!({"type": "function", "function": {"name": "ping"}}),
+        json!("required"),
+    ] {
+        let (guide, _) = asked(json!({"tools": [empty], "tool_choice": choice}))
+            .expect("taken")
+            .expect("a call");
+        assert!(!matches(&guide, "null") && !matches(&guide, r#""text""#) && !matches(&guide, "[null]"));
+        assert!(matches(&guide, "{}") || matches(&guide, r#"[{"name": "ping", "parameters": {}}]"#));
+    }
 }
 
 #[test]
@@ -145,6 +157,10 @@ fn bad_tools_and_choices_are_refused_by_name() {
             "tools",
         ),
         (json!({"tools": [time(), time()]}), "tools"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"type": "array"}}}]}),
+            "tools",
+        ),
         (json!({"tool_choice": "required"}), "tool_choice"),
         (json!({"tool_choice": named("get_time")}), "tool_choice"),
         (
@@ -164,6 +180,10 @@ fn bad_tools_and_choices_are_refused_by_name() {
             json!({"tools": [time()], "parallel_tool_calls": "yes"}),
             "parallel_tool_calls",
         ),
+        (
+            json!({"tools": [time()], "tool_choice": "required", "allowed_token_ids": [1]}),
+            "allowed_token_ids",
+        ),
     ] {
         let error = asked(extra.clone()).expect_err("refused");
         assert_eq!(error.param.as_deref(), Some(param), "{extra}: {}", error.message);
@@ -171,8 +191,9 @@ fn bad_tools_and_choices_are_refused_by_name() {
     // A call's arguments are its structured output: no second one beside it.
     let mut body: GenerationBody =
         serde_json::from_value(json!({"messages": [], "tools": [time()], "tool_choice": "required"})).expect("a body");
-    let error = from_body(&mut body, true).expect_err("refused");
+    let error = from_body(&mut body, Some("structured_outputs")).expect_err("refused");
     assert_eq!(error.param.as_deref(), Some("tool_choice"));
+    assert!(error.message.contains("structured_outputs"), "{}", error.message);
 }
 
 fn arguments(calls: &CallsOrText) -> Vec<(Option<String>, String)> {

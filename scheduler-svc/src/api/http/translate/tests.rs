@@ -402,7 +402,7 @@ fn a_conversation_may_hold_tool_calls_and_their_results() {
         panic!("a conversation")
     };
     let described: Vec<(&str, &str)> = messages.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
-    let shown = serde_json::Value::Array(vec![call]).to_string();
+    let shown = serde_json::Value::Array(vec![call.clone()]).to_string();
     assert_eq!(
         described,
         vec![
@@ -411,11 +411,32 @@ fn a_conversation_may_hold_tool_calls_and_their_results() {
             ("tool", "noon")
         ]
     );
-    // Null content only beside an assistant's calls.
+    // A response's message sent back as the `openai` package dumps it: empty content beside
+    // its calls, and fields of its own; text beside calls comes first.
+    let shown_after = |message: serde_json::Value| {
+        let draft = to_draft(
+            Endpoint::Chat,
+            "id".to_owned(),
+            body(serde_json::json!({"messages": [{"role": "user", "content": "?"}, message]})),
+        )
+        .expect("taken");
+        let Prompt::Messages { messages, .. } = draft.prompt else {
+            panic!("a conversation")
+        };
+        messages[1].content.clone()
+    };
+    let dumped = serde_json::json!({"role": "assistant", "content": "", "tool_calls": [call],
+        "refusal": null, "annotations": [], "audio": null, "function_call": null});
+    assert_eq!(shown_after(dumped), shown);
+    let with_text = serde_json::json!({"role": "assistant", "content": "Let me look.", "tool_calls": [call]});
+    assert_eq!(shown_after(with_text), format!("Let me look.\n{shown}"));
+    // Null content only beside an assistant's calls; calls only on an assistant's message.
     for messages in [
         serde_json::json!([{"role": "user", "content": null}]),
         serde_json::json!([{"role": "user", "content": null, "tool_calls": []}]),
         serde_json::json!([{"role": "assistant"}]),
+        serde_json::json!([{"role": "user", "content": "x", "tool_calls": [call]}]),
+        serde_json::json!([{"role": "assistant", "content": "x", "function_call": {"name": "f"}}]),
     ] {
         let json = serde_json::json!({ "messages": messages });
         assert_eq!(refused(Endpoint::Chat, json), Some("messages".to_owned()));
