@@ -111,8 +111,8 @@ fn refuse_unsupported(endpoint: Endpoint, body: &GenerationBody) -> Result<(), A
         Some(_) => false,
     };
     // Without tools, `tool_choice: "auto"` and `parallel_tool_calls` change nothing (agent
-    // frameworks send them by default). Chat's tools are `tool_calls`'; completions have none,
-    // and OpenAI's deprecated `functions` are refused.
+    // frameworks send them by default). Chat's tools are read in `tool_calls`; completions have
+    // none, and OpenAI's deprecated `functions` are refused.
     let harmless_choice = |value: &Option<serde_json::Value>| {
         absent_or_none(value) || value.as_ref().and_then(|v| v.as_str()) == Some("auto")
     };
