@@ -76,6 +76,17 @@ async fn generate(
     if body.stream_options.is_some() && !streaming {
         return ApiError::bad_request("stream_options", "stream_options: only with stream: true").into_response();
     }
+    if body
+        .stream_options
+        .as_ref()
+        .is_some_and(|o| o.continuous_usage_stats == Some(true))
+    {
+        return ApiError::invalid(
+            "stream_options",
+            "continuous_usage_stats is not supported (include_usage is)",
+        )
+        .into_response();
+    }
     let return_token_ids = body.return_token_ids.unwrap_or(false);
     let per_prompt = body.n.unwrap_or(1).max(1) as usize;
     let (_, limit_param) = output_limit(endpoint, &body);

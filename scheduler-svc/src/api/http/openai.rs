@@ -90,7 +90,7 @@ pub struct InputMessage {
     /// A participant's name: accepted, not shown to the model (the chat template has no place for it).
     pub name: Option<String>,
     /// An assistant's earlier calls (`tool_calls` of a response, sent back in the conversation).
-    pub tool_calls: Option<Vec<serde_json::Value>>,
+    pub tool_calls: Option<Vec<InputToolCall>>,
     /// A `tool` message's: the call it answers. Accepted, not shown to the model.
     pub tool_call_id: Option<String>,
     // A response's message sent back as the `openai` package dumps it (`message.model_dump()`):
@@ -105,10 +105,39 @@ pub struct InputMessage {
     pub function_call: Option<serde_json::Value>,
 }
 
+/// A call an assistant made, sent back in a conversation: OpenAI's shape, shown to the model as
+/// JSON (`index` is taken from clients that gather a stream's parts).
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct InputToolCall {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: ToolKind,
+    pub function: InputFunctionCall,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ToolKind {
+    Function,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct InputFunctionCall {
+    pub name: String,
+    /// JSON text, as a response gives it.
+    pub arguments: String,
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
+    /// vLLM's usage on every chunk: taken at its default (false), refused otherwise.
+    pub continuous_usage_stats: Option<bool>,
 }
 
 /// A `/v1/completions` or `/v1/chat/completions` body.

@@ -216,7 +216,7 @@ pub fn chat_prompt(
                     format!("messages[{index}].tool_calls: only an assistant's message makes calls"),
                 ));
             }
-            Some(calls) if !calls.is_empty() => Some(serde_json::Value::Array(calls).to_string()),
+            Some(calls) if !calls.is_empty() => Some(serde_json::to_string(&calls).unwrap_or_default()),
             _ => None,
         };
         let content = match message.content {

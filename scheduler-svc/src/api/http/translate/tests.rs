@@ -441,6 +441,15 @@ fn a_conversation_may_hold_tool_calls_and_their_results() {
         let json = serde_json::json!({ "messages": messages });
         assert_eq!(refused(Endpoint::Chat, json), Some("messages".to_owned()));
     }
+    // Calls sent back have OpenAI's shape (a malformed one is refused while parsing the body).
+    for broken in [
+        serde_json::json!({"id": "c1", "type": "function"}),
+        serde_json::json!({"id": "c1", "type": "nonsense", "function": {"name": "f", "arguments": "{}"}}),
+        serde_json::json!({"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}),
+    ] {
+        let messages = serde_json::json!([{"role": "assistant", "content": null, "tool_calls": [broken]}]);
+        assert!(serde_json::from_value::<GenerationBody>(serde_json::json!({ "messages": messages })).is_err());
+    }
     // Tools belong to chat.
     let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
     for extra in [
