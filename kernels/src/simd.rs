@@ -107,6 +107,36 @@ pub fn has_avx512() -> bool {
     })
 }
 
+/// Whether this CPU is an AMD Zen 5 or later (CPUID family 1Ah and up): AVX-512 on full-width
+/// units, four vector pipes beside two loads a cycle, so that decoding weights in registers
+/// costs little beside the FMAs (see [`packed_avx512_min_rows`]). Detected once.
+pub fn is_amd_zen5_or_later() -> bool {
+    use std::sync::OnceLock;
+    static DETECTED: OnceLock<bool> = OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::__cpuid;
+            // SAFETY: CPUID exists on every x86_64 CPU (leaves 0 and 1 always). Newer compilers
+            // mark `__cpuid` safe; the block keeps the older ones this crate supports building.
+            #[allow(unused_unsafe)]
+            let (vendor, signature) = unsafe { (__cpuid(0), __cpuid(1)) };
+            let amd = (vendor.ebx, vendor.edx, vendor.ecx) == (0x6874_7541, 0x6974_6E65, 0x444D_4163);
+            let base = (signature.eax >> 8) & 0xF;
+            let family = if base == 0xF {
+                base + ((signature.eax >> 20) & 0xFF)
+            } else {
+                base
+            };
+            amd && family >= 0x1A
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 /// Makes this thread's f32 arithmetic treat subnormal inputs and results as zero (x86's MXCSR
 /// flags DAZ and FTZ; nothing elsewhere).
 ///

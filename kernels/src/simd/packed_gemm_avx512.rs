@@ -33,6 +33,15 @@ const TILE_BLOCKS: usize = 4;
 
 /// Activation rows from which a step takes this path (`matrix`), unless
 /// `RIVULET_KERNELS_PACKED_AVX512_MIN_ROWS` sets another count (0 for never; to compare them).
+///
+/// 12 where decoding in registers is dear (Intel's cores, whose masks, shifts and conversions
+/// take the FMAs' ports; Zen 4's half-width units), 64 on Zen 5 and later, whose four vector
+/// pipes decode beside the FMAs: there the in-register pairs of panels ran 30 layers of 4-bit
+/// projections at 16 / 32 / 48 rows in 8.4–8.7 / 17.1–17.4 / 25.1–25.4 ms against this path's
+/// 12.2–12.5 / 18.3–18.5 / 25.1–26.3, the 8-bit ones in 9.4 / 17.9–18.2 / 26.5–26.6 against
+/// 14.1–16.9 / 20.9–21.3 / 28.3–28.5, level at 64 and slower from 96 (`PROJECTIONS_BEST_ONLY=1
+/// cargo bench -p rivulet-kernels --bench projections -- 2 16,24,32,48,64,96,128 Q4_1,Q8_0`,
+/// two alternations, the forty-ninth round).
 pub fn packed_avx512_min_rows() -> usize {
     use std::sync::OnceLock;
     static ROWS: OnceLock<usize> = OnceLock::new();
@@ -41,6 +50,7 @@ pub fn packed_avx512_min_rows() -> usize {
         match rows.and_then(|r| r.parse().ok()) {
             Some(0) => usize::MAX,
             Some(rows) => rows,
+            None if super::is_amd_zen5_or_later() => 64,
             None => 12,
         }
     })
