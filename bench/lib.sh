@@ -41,10 +41,12 @@ wait_for_port() {
 # vLLM run against 70-76 ms on a quiet machine).
 wait_for_quiet() {
     local busy0 total0 busy1 total1 idle_share
+    # All CPUs' busy and total ticks so far (user, nice, system, irq, softirq, steal; + idle, iowait).
+    cpu_ticks() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
     for _ in $(seq 1 60); do
-        read -r busy0 total0 < <(awk '/^cpu /{print $2+$3+$4+$7+$8+$9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat)
+        read -r busy0 total0 < <(cpu_ticks)
         sleep 0.5
-        read -r busy1 total1 < <(awk '/^cpu /{print $2+$3+$4+$7+$8+$9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat)
+        read -r busy1 total1 < <(cpu_ticks)
         idle_share=$(( total1 > total0 ? 100 - 100 * (busy1 - busy0) / (total1 - total0) : 100 ))
         (( idle_share >= 90 )) && return 0
     done

@@ -118,7 +118,8 @@ pub struct InputToolCall {
     pub function: InputFunctionCall,
 }
 
-#[derive(Debug, Deserialize, Serialize)]
+/// A tool's `type`: OpenAI's one kind (any other is refused while parsing).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ToolKind {
     Function,

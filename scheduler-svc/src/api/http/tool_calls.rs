@@ -8,15 +8,16 @@
 //! `parallel_tool_calls` is false), returned as one entry each with `finish_reason`
 //! "tool_calls". `"none"` and `"auto"` (the default where tools are given) leave the output as
 //! text: finding calls in free text takes a parser for the model's own call syntax, which
-//! SmolLM2-135M has none of; vLLM without a tool-call parser answers with text too. The default model's chat template shows no tools to the model (it has no place
-//! for them), so the calls it makes follow their schemas but not their descriptions.
+//! SmolLM2-135M has none of; vLLM without a tool-call parser answers with text too. The default
+//! model's chat template shows no tools to the model (it has no place for them), so the calls it
+//! makes follow their schemas but not their descriptions.
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 
 use super::errors::ApiError;
-use super::openai::GenerationBody;
+use super::openai::{GenerationBody, ToolKind};
 use crate::guide::{GuideRequest, GuideSpec};
 
 /// What a request's tool choice makes of its output.
@@ -33,7 +34,8 @@ pub enum ToolOutput {
 #[serde(deny_unknown_fields)]
 struct Tool {
     #[serde(rename = "type")]
-    kind: String,
+    #[allow(dead_code)]
+    kind: ToolKind,
     function: FunctionDefinition,
 }
 
@@ -54,7 +56,8 @@ struct FunctionDefinition {
 #[serde(deny_unknown_fields)]
 struct NamedChoice {
     #[serde(rename = "type")]
-    kind: String,
+    #[allow(dead_code)]
+    kind: ToolKind,
     function: NamedFunction,
 }
 
@@ -84,12 +87,6 @@ fn parse_tools(tools: Value) -> Result<Vec<Function>, ApiError> {
     let tools: Vec<Tool> = serde_json::from_value(tools).map_err(|e| ApiError::invalid(PARAM, e))?;
     let mut parsed: Vec<Function> = Vec::with_capacity(tools.len());
     for tool in tools {
-        if tool.kind != "function" {
-            return Err(ApiError::invalid(
-                PARAM,
-                format!("type {:?} is not supported (\"function\" is)", tool.kind),
-            ));
-        }
         let FunctionDefinition { name, parameters, .. } = tool.function;
         if !valid_name(&name) {
             return Err(ApiError::invalid(
@@ -213,12 +210,6 @@ pub fn from_body(
                     format!("{e} (a named function is {{\"type\": \"function\", \"function\": {{\"name\": …}}}})"),
                 )
             })?;
-            if named.kind != "function" {
-                return Err(ApiError::invalid(
-                    "tool_choice",
-                    format!("type {:?} is not supported (\"function\" is)", named.kind),
-                ));
-            }
             Some(ToolOutput::Named(named.function.name))
         }
     };
@@ -270,7 +261,7 @@ pub struct ToolCall {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
     #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
-    pub kind: Option<&'static str>,
+    pub kind: Option<ToolKind>,
     pub function: FunctionCall,
 }
 
@@ -291,7 +282,7 @@ fn whole_call(index: Option<u32>, name: String, arguments: String) -> ToolCall {
     ToolCall {
         index,
         id: Some(call_id()),
-        kind: Some("function"),
+        kind: Some(ToolKind::Function),
         function: FunctionCall {
             name: Some(name),
             arguments,
@@ -309,12 +300,11 @@ struct CallText<'a> {
 
 /// One choice's calls as its output is streamed or returned.
 #[derive(Debug)]
-pub struct ToolCallBuilder {
-    output: ToolOutput,
-    /// A named call's: whether its first part (id and name) went out.
-    opened: bool,
-    /// A list of calls' text so far: it is parsed once whole.
-    text: String,
+pub enum ToolCallBuilder {
+    /// A named call, and whether its first part (id and name) went out.
+    Named { name: String, opened: bool },
+    /// A list of calls, and its text so far: it is parsed once whole.
+    Required { text: String },
 }
 
 /// What a choice's message (or delta) says: its text, or calls.
@@ -326,37 +316,36 @@ pub enum CallsOrText {
 
 impl ToolCallBuilder {
     pub fn new(output: ToolOutput) -> Self {
-        Self {
-            output,
-            opened: false,
-            text: String::new(),
+        match output {
+            ToolOutput::Named(name) => Self::Named { name, opened: false },
+            ToolOutput::Required => Self::Required { text: String::new() },
         }
     }
 
     /// Whether the whole output finished as "tool_calls": a list of calls that ended as it
     /// should (vLLM's rule; a named call keeps the output's reason, as OpenAI's does).
     pub fn finishes_as_calls(&self, stopped: bool) -> bool {
-        self.output == ToolOutput::Required && stopped
+        matches!(self, Self::Required { .. }) && stopped
     }
 
     /// A whole response's message for the output `text`: its calls, or the text where a list of
     /// calls did not parse (cut short by `max_tokens`).
     pub fn whole(&mut self, text: String) -> CallsOrText {
-        match &self.output {
-            ToolOutput::Named(name) => CallsOrText::Calls(vec![whole_call(None, name.clone(), text)]),
-            ToolOutput::Required => parse_calls(&text, false).map_or(CallsOrText::Text(text), CallsOrText::Calls),
+        match self {
+            Self::Named { name, .. } => CallsOrText::Calls(vec![whole_call(None, name.clone(), text)]),
+            Self::Required { .. } => parse_calls(&text, false).map_or(CallsOrText::Text(text), CallsOrText::Calls),
         }
     }
 
     /// A stream's next part for the new `text`; `last` on the choice's last chunk. A named call
     /// streams its arguments as they come; a list of calls goes out whole in the last chunk.
     pub fn delta(&mut self, text: String, last: bool) -> Option<CallsOrText> {
-        match &self.output {
-            ToolOutput::Named(name) => {
-                if text.is_empty() && (self.opened || !last) {
+        match self {
+            Self::Named { name, opened } => {
+                if text.is_empty() && (*opened || !last) {
                     return None;
                 }
-                let call = if self.opened {
+                let call = if *opened {
                     ToolCall {
                         index: Some(0),
                         id: None,
@@ -367,17 +356,17 @@ impl ToolCallBuilder {
                         },
                     }
                 } else {
-                    self.opened = true;
+                    *opened = true;
                     whole_call(Some(0), name.clone(), text)
                 };
                 Some(CallsOrText::Calls(vec![call]))
             }
-            ToolOutput::Required => {
-                self.text.push_str(&text);
+            Self::Required { text: so_far } => {
+                so_far.push_str(&text);
                 if !last {
                     return None;
                 }
-                let text = std::mem::take(&mut self.text);
+                let text = std::mem::take(so_far);
                 Some(parse_calls(&text, true).map_or(CallsOrText::Text(text), CallsOrText::Calls))
             }
         }
